@@ -1,0 +1,221 @@
+"""Shared pieces of the benchmark scripts: device facts, models, prompts and forced lengths, timing, output tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from trl_infinite.utils.traces import TraceRecord, load_trace, lognormal_trace  # noqa: E402
+
+HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}  # peak HBM bandwidth by device-name substring (SXM parts)
+GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------- device and run facts
+def pick_device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({os.cpu_count()} cores visible), torch {torch.__version__}"
+
+
+def default_hbm_gbps(device: torch.device) -> float | None:
+    """Peak HBM bandwidth (GB/s) of a known GPU, None elsewhere (then the roofline column stays empty)."""
+    name = device_name(device)
+    for key, gbps in HBM_GBPS.items():
+        if key in name:
+            return gbps
+    return None
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, capture_output=True, text=True)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_header(device: torch.device, command: str) -> dict:
+    return {
+        "device": device_name(device),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "command": command,
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------------------ models
+def dtype_for(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device):
+    """(model, tokenizer or None). "smollm2-real": SmolLM2-135M-Instruct with its real weights and tokenizer
+    (offline); any other name: a random-weight model of that architecture from `trl_infinite.utils.model_zoo`."""
+    if name == "smollm2-real":
+        from trl_infinite.utils.offline_models import load_smollm2
+
+        model, tok = load_smollm2(dtype=dtype, device=str(device))
+        return model.eval(), tok
+    from trl_infinite.utils.model_zoo import random_model
+
+    return random_model(name, dtype=dtype, device=device), None
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step must read: every parameter once, except an untied input embedding (only gathered)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or emb.weight.data_ptr() != head.weight.data_ptr():
+        total -= emb.weight.numel() * emb.weight.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------ prompts and forced lengths
+@dataclass
+class Workload:
+    """The same prompts and per-sample completion lengths for every path."""
+
+    prompt_ids: list[list[int]]  # one per distinct prompt
+    lengths: list[list[int]]  # [num_prompts][G] forced completion lengths (EOS included)
+    source: str  # where the lengths come from
+    eos_id: int
+    pad_id: int
+
+    @property
+    def group_size(self) -> int:
+        return len(self.lengths[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(sum, self.lengths))
+
+
+def trace_lengths(num_prompts: int, group_size: int, max_new: int, trace: str | None, mean: float, sigma: float,
+                  prompt_len: int, seed: int) -> tuple[list[TraceRecord], str]:
+    """`num_prompts` records of `group_size` lengths <= max_new: from a trace file (cycled, lengths cycled/clipped)
+    or lognormal with the stated mean and spread."""
+    if trace is None:
+        recs = lognormal_trace(num_prompts, group_size, mean, sigma, max_new, prompt_len=prompt_len, seed=seed)
+        return recs, f"lognormal(mean={mean}, sigma={sigma}, max={max_new}, seed={seed})"
+    src = load_trace(trace)
+    out = []
+    for i in range(num_prompts):
+        r = src[i % len(src)]
+        lengths = [min(max_new, r.lengths[j % len(r.lengths)]) for j in range(group_size)]
+        out.append(TraceRecord(prompt_len=r.prompt_len, lengths=lengths, prompt_index=i, prompt_ids=r.prompt_ids))
+    return out, f"trace {trace} (clipped to {max_new})"
+
+
+def gsm8k_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    """Chat-formatted GSM8K test questions (read in place, never copied)."""
+    lines = GSM8K_TEST.read_text().splitlines()[:num_prompts]
+    msgs = [[{"role": "user", "content": json.loads(line)["question"]}] for line in lines]
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def make_workload(model, tokenizer, records: list[TraceRecord], source: str, seed: int) -> Workload:
+    """Prompts: the tokenizer's GSM8K prompts when there is a tokenizer, the trace's ids if it has them, else random
+    ids of the trace's prompt length (random-weight models: the token values do not change speed or memory)."""
+    vocab = model.config.get_text_config().vocab_size
+    if tokenizer is not None:
+        prompts = gsm8k_prompts(tokenizer, len(records))
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    else:
+        g = torch.Generator().manual_seed(seed)
+        prompts = [r.prompt_ids or torch.randint(2, vocab, (r.prompt_len,), generator=g).tolist() for r in records]
+        eos, pad = 1, 0
+    pad = eos if pad is None else pad
+    return Workload(prompts, [r.lengths for r in records], source, eos, pad)
+
+
+# --------------------------------------------------------------------------------------------- measurement and output
+@dataclass
+class Measured:
+    seconds: float
+    peak_bytes: int | None  # torch.cuda.max_memory_allocated during the call; None on CPU
+    value: object = None
+
+
+def measure(fn: Callable[[], object], device: torch.device) -> Measured:
+    """Wall time and CUDA peak allocated memory of one call."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    start = time.perf_counter()
+    value = fn()
+    sync(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return Measured(seconds, peak, value)
+
+
+def check_lengths(completions: list[list[int]], workload: Workload, path: str) -> None:
+    """Every path must produce exactly the forced lengths (else the comparison is void)."""
+    want = [n for group in workload.lengths for n in group]
+    got = [len(c) for c in completions]
+    if sorted(got) != sorted(want) or sum(got) != workload.num_tokens:
+        bad = sum(a != b for a, b in zip(sorted(got), sorted(want)))
+        raise RuntimeError(f"{path}: {bad} completions do not have their forced length; results discarded.")
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        if not self.rows:
+            print(self.markdown().rstrip("\n"), flush=True)
+        self.rows.append(row)
+        print(self.markdown_row(row), flush=True)
+
+    def markdown_row(self, row: dict) -> str:
+        return "| " + " | ".join(_fmt(row.get(c)) for c in self.columns) + " |"
+
+    def markdown(self) -> str:
+        head = "| " + " | ".join(self.columns) + " |\n|" + "---|" * len(self.columns) + "\n"
+        return head + "\n".join(self.markdown_row(r) for r in self.rows)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def write_results(path: str | None, header: dict, table: Table, extra: dict) -> None:
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in header.items()) + "\n\n" + table.markdown(), flush=True)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({**header, **extra, "rows": table.rows}, indent=1))
+        print(f"\nwrote {path}")

@@ -1,0 +1,130 @@
+"""Speculative rollouts on SmolLM2-135M-Instruct over GSM8K test prompts: none / ngram / suffix / best_of_n.
+
+For each (G, temperature, method) the same prompts are rolled out with the same seed (`RolloutEngine`, all samples
+decoding at once in fixed slots, at most 256 new tokens) and the table reports the mean acceptance length (tokens
+emitted per sample per verification forward, bonus included), the decode forward passes, the forward passes of the
+tail (while the last 10% of samples to finish, at least one, were still running), wall time and generated tokens
+per second. Offline; CPU by default.
+
+    python benchmarks/speculative.py --num-prompts 2                      # CPU, ~10-15 min on 2 cores
+    python benchmarks/speculative.py --device cuda --num-prompts 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+METHODS = ("none", "ngram", "suffix", "best_of_n")
+
+
+def default_data() -> Path:
+    root = Path(os.environ.get("TRL_INFINITE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    return root / "gsm8k" / "test.jsonl"
+
+
+def load_prompts(tokenizer, path: Path, n: int, offset: int) -> list[list[int]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()[offset : offset + n]]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for r in rows
+    ]
+
+
+def run_one(model, prompts, g: int, temperature: float, method: str, args, eos: list[int]) -> dict:
+    from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+
+    config = EngineConfig(
+        sampling_mode="fixed_slot",
+        max_active_sequences=len(prompts) * g,
+        kv_cache_tokens=args.kv_cache_tokens,
+        speculative_method=None if method == "none" else method,
+        num_speculative_tokens=args.k,
+    )
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, eos_token_ids=eos,
+                              seed=args.seed)
+    engine = RolloutEngine(model, config)
+    forwards, finished_at = [0], []
+    forward = engine.runner.forward
+
+    def counting_forward(*a, **kw):  # target-model forwards (prefill happens before the tail, so it cancels out)
+        forwards[0] += 1
+        return forward(*a, **kw)
+
+    engine.runner.forward = counting_forward
+    result = engine.generate(prompts, g, sampling, on_sample_finished=lambda *_: finished_at.append(forwards[0]))
+    s = result.stats
+    n_tail = max(1, math.ceil(0.1 * len(finished_at)))  # the last 10% of samples to finish (at least one)
+    tail = forwards[0] - finished_at[-n_tail - 1] if len(finished_at) > n_tail else forwards[0]
+    return {
+        "method": method, "G": g, "temperature": temperature, "num_prompts": len(prompts),
+        "mean_acceptance_length": s.mean_acceptance_length if s.verify_steps else 1.0,
+        "decode_steps": s.decode_steps, "verify_steps": s.verify_steps, "tail_decode_steps": tail,
+        "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+        "generated_tokens": s.generated_tokens, "wall_time_s": s.wall_time_s, "tokens_per_second": s.tokens_per_second,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| G | T | method | mean acc. len | decode fwd | tail fwd | verify fwd | drafted | accepted | tokens | "
+            "wall s | tok/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['G']} | {r['temperature']} | {r['method']} | {r['mean_acceptance_length']:.2f} | "
+            f"{r['decode_steps']} | {r['tail_decode_steps']} | {r['verify_steps']} | {r['draft_tokens']} | "
+            f"{r['accepted_tokens']} | {r['generated_tokens']} | {r['wall_time_s']:.1f} | "
+            f"{r['tokens_per_second']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--prompt-offset", type=int, default=0)
+    p.add_argument("--group-sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.6])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    p.add_argument("--kv-cache-tokens", type=int, default=20_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--data", type=Path, default=default_data())
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    import torch
+
+    from trl_infinite.utils.offline_models import load_smollm2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_smollm2(device=args.device)
+    model.eval()
+    prompts = load_prompts(tok, args.data, args.num_prompts, args.prompt_offset)
+    eos = [tok.eos_token_id]
+    rows = []
+    t0 = time.perf_counter()
+    for g in args.group_sizes:
+        for temp in args.temperatures:
+            for method in args.methods:
+                rows.append(run_one(model, prompts, g, temp, method, args, eos))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(rows, indent=1))
+    print(f"device={args.device} prompts={len(prompts)} k={args.k} total {time.perf_counter() - t0:.0f}s\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The paged KV pool: sizing from the budget, block accounting, one shared prompt prefill, memory bounded in G."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import tiny_model
+
+from trl_infinite import EngineConfig, KVCachePool, RolloutEngine, SamplingParams
+from trl_infinite.engine.block_manager import BlockAllocator, blocks_for
+
+BLOCK = 4
+PROMPT_LEN = 10  # 3 blocks of 4 (the last one partial), shared by all samples of the prompt
+PROMPT_BLOCKS = blocks_for(PROMPT_LEN, BLOCK)
+MAX_NEW = 8  # 2 own blocks per sample at most
+NUM_PROMPTS = 2
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3")
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(4, 96, (PROMPT_LEN,), generator=gen).tolist() for _ in range(NUM_PROMPTS)]
+
+
+def _lengths(group_size: int, fixed: int | None = None) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(group_size)
+    if fixed is not None:
+        return [[fixed] * group_size for _ in range(NUM_PROMPTS)]
+    return torch.randint(1, MAX_NEW + 1, (NUM_PROMPTS, group_size), generator=gen).tolist()
+
+
+def _run(model, mode: str, group_size: int, kv_tokens: int, fixed: int | None = None):
+    engine = RolloutEngine(model, EngineConfig(sampling_mode=mode, max_active_sequences=SLOTS,
+                                               kv_cache_tokens=kv_tokens, block_size=BLOCK))
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=0)
+    result = engine.generate(_prompts(), group_size, sampling, forced_lengths=_lengths(group_size, fixed))
+    want = [n for row in _lengths(group_size, fixed) for n in row]
+    assert [len(c) for c in result.completion_ids] == want  # nothing dropped or shortened
+    assert engine.pool.allocator.num_used == 0  # every block was freed
+    return result.stats
+
+
+def test_pool_is_sized_from_tokens_or_gigabytes(model):
+    cfg = model.config
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    pool = KVCachePool(cfg, EngineConfig(kv_cache_tokens=100, block_size=16), torch.float32, torch.device("cpu"))
+    assert pool.num_blocks == 6  # floor(100 / 16): never more than the budget
+    assert pool.k_cache.shape == (layers, 6 * 16, kv_heads, head_dim) == pool.v_cache.shape
+    assert pool.block_bytes == 2 * layers * 16 * kv_heads * head_dim * 4
+    gb = 10 * pool.block_bytes / 1e9
+    pool_gb = KVCachePool(cfg, EngineConfig(kv_cache_gb=gb * 1.0001, block_size=16), torch.float32,
+                          torch.device("cpu"))
+    assert pool_gb.num_blocks == 10
+    assert pool_gb.k_cache.numel() * 4 * 2 == 10 * pool.block_bytes  # K and V together fill exactly the budget
+
+
+def test_allocator_free_list_and_refcounts():
+    alloc = BlockAllocator(num_blocks=5, block_size=4)
+    a = alloc.allocate(3)
+    assert len(set(a)) == 3 and alloc.num_free == 2 and alloc.peak_used == 3
+    alloc.share(a[:1])  # a second owner of the first block
+    alloc.free(a)
+    assert alloc.num_free == 4  # the shared block stays in use until its last owner frees it
+    alloc.free(a[:1])
+    assert alloc.num_free == 5
+    with pytest.raises(RuntimeError, match="freed twice"):
+        alloc.free(a[:1])
+    assert not alloc.can_allocate(6)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        alloc.allocate(6)
+    assert alloc.peak_used == 3
+
+
+@pytest.mark.parametrize("mode", ["fixed_slot", "micro_group"])
+def test_peak_kv_blocks_does_not_grow_with_group_size(model, mode):
+    """g slots: the peak is the slots' own blocks plus the resident prompts, whatever G is."""
+    peaks = {g: _run(model, mode, g, kv_tokens=4096).peak_kv_blocks for g in (4, 16, 64)}
+    bound = NUM_PROMPTS * PROMPT_BLOCKS + SLOTS * blocks_for(MAX_NEW, BLOCK)
+    assert all(p <= bound for p in peaks.values()), peaks
+    assert max(peaks.values()) - min(peaks.values()) <= PROMPT_BLOCKS, peaks
+
+
+def test_full_group_peak_grows_linearly_with_group_size(model):
+    """Baseline: every sample holds its own KV at once; the prompt blocks are still counted once per prompt."""
+    for g in (4, 16, 64):
+        stats = _run(model, "full_group", g, kv_tokens=4096, fixed=MAX_NEW)
+        assert stats.peak_kv_blocks == NUM_PROMPTS * (PROMPT_BLOCKS + g * blocks_for(MAX_NEW, BLOCK)), g
+        assert stats.peak_active_sequences == NUM_PROMPTS * g
+        assert stats.prefill_tokens == NUM_PROMPTS * PROMPT_LEN  # one prefill per prompt, not G
+        assert stats.peak_kv_bytes == stats.peak_kv_blocks * stats.kv_block_bytes
+
+
+@pytest.mark.parametrize("mode", ["fixed_slot", "dynamic_slot", "micro_group", "full_group"])
+def test_peak_never_exceeds_a_small_pool(model, mode):
+    """G = 64 under a 24-block pool: every mode completes every sample within the pool."""
+    stats = _run(model, mode, 64, kv_tokens=24 * BLOCK)
+    assert stats.num_kv_blocks == 24
+    assert stats.peak_kv_blocks <= 24
+    if mode == "fixed_slot":
+        assert stats.peak_active_sequences == SLOTS
+
+
+PUBLISHED_PARAMS_M = {"smollm2-135m": 134.5, "qwen2.5-0.5b": 494.0, "qwen3-0.6b": 596.0, "qwen3-1.7b": 1720.6,
+                      "qwen3-8b": 8190.7, "llama-3.2-1b": 1235.8}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_PARAMS_M))
+def test_model_zoo_configs_match_published_sizes(name):
+    """Named configs build the real architecture (parameter count within 0.1% of the published model's)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_infinite.utils.model_zoo import model_config
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(model_config(name))
+    assert sum(p.numel() for p in m.parameters()) / 1e6 == pytest.approx(PUBLISHED_PARAMS_M[name], rel=1e-3)
+
+
+def test_kv_block_bytes_of_a_real_geometry():
+    """Qwen3-1.7B: 28 layers x 8 KV heads x head_dim 128; a 16-token bf16 block is 2*28*16*8*128*2 bytes."""
+    from trl_infinite.engine.kv_pool import kv_geometry
+    from trl_infinite.utils.model_zoo import model_config
+
+    assert kv_geometry(model_config("qwen3-1.7b")) == (28, 8, 128)
+    pool = KVCachePool(model_config("qwen3-1.7b"), EngineConfig(kv_cache_tokens=32, block_size=16), torch.bfloat16,
+                       torch.device("cpu"))
+    assert pool.block_bytes == 2 * 28 * 16 * 8 * 128 * 2 == 1835008
+
+
+def test_model_zoo_unknown_name():
+    from trl_infinite.utils.model_zoo import random_model
+
+    with pytest.raises(ValueError, match="config"):
+        random_model("gpt-7")

@@ -1,0 +1,82 @@
+"""Drafter units: the grouped suffix tree proposes a sibling's continuation; n-gram prompt lookup; registry."""
+
+import pytest
+
+from trl_infinite.engine import EngineConfig
+from trl_infinite.engine.sequence import Group, Sequence
+from trl_infinite.spec_decode import DRAFTERS, build_drafter
+from trl_infinite.spec_decode.adaptive import AcceptanceTracker, best_length
+
+
+def _group(prompt, g=2):
+    group = Group(0, prompt, g)
+    return group, [Sequence(group, j, max_new_tokens=64) for j in range(g)]
+
+
+def test_suffix_proposes_sibling_continuation_after_shared_prefix():
+    _, (a, b) = _group([90, 91, 92])
+    d = build_drafter("suffix")
+    d.start(a)
+    d.update(a, [10, 11, 12, 13, 14, 15, 16])
+    d.stop(a)  # a finished: its completion stays in the group's tree
+    d.start(b)
+    d.update(b, [10, 11, 12])
+    assert d.propose([b], [3])[0].tokens == [13, 14, 15]
+    assert d.propose([b], [10])[0].tokens == [13, 14, 15, 16]  # no more continuation known
+
+
+def test_suffix_confidence_threshold_and_frequency():
+    _, seqs = _group([90], g=4)
+    d = build_drafter("suffix", min_confidence=0.6)
+    for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
+        d.start(s)
+        d.update(s, [1, 2, 3] + tail)
+    d.start(seqs[3])
+    d.update(seqs[3], [1, 2, 3])
+    assert d.propose([seqs[3]], [4])[0].tokens == [5, 6]  # 6 follows 5 in 2 of 3 siblings: 2/3 >= 0.6
+    strict = build_drafter("suffix", min_confidence=0.7)
+    for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
+        strict.start(s)
+        strict.update(s, [1, 2, 3] + tail)
+    strict.start(seqs[3])
+    strict.update(seqs[3], [1, 2, 3])
+    assert strict.propose([seqs[3]], [4])[0].tokens == [5]  # 2/3 < 0.7 stops before 6
+
+
+def test_ngram_prompt_lookup():
+    _, (a, _) = _group([1, 2, 3, 9, 8, 7])
+    d = build_drafter("ngram")
+    d.start(a)
+    d.update(a, [4, 1, 2])
+    assert d.propose([a], [3])[0].tokens == [3, 9, 8]
+    assert d.propose([a], [0])[0].tokens == []
+
+
+def test_best_of_n_scores_members_and_prefers_the_accurate_one():
+    _, (a, b) = _group([90, 91, 92])
+    d = build_drafter("best_of_n")
+    for s in (a, b):
+        d.start(s)
+    d.update(a, [10, 11, 12, 13, 14, 15])
+    d.update(b, [10, 11])
+    assert d.propose([b], [3])[0].tokens == [12, 13, 14]  # only the suffix tree knows the sibling
+    d.update(b, [12, 13, 14, 99])
+    assert d.tracker.alpha((b.seq_id, 0)) > d.tracker.alpha((b.seq_id, 1))
+
+
+def test_adaptive_length_backs_off():
+    t = AcceptanceTracker()
+    for _ in range(8):
+        t.observe("x", 4, 0)
+    assert best_length(t.alpha("x"), 0.05, 5) == 0
+    assert best_length(0.9, 0.05, 5) == 5
+
+
+def test_config_validation():
+    assert {"suffix", "ngram", "draft_model", "best_of_n"} <= set(DRAFTERS)
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_method="suffix", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_draft_model"):
+        EngineConfig(speculative_method="draft_model")

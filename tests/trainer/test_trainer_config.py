@@ -1,0 +1,65 @@
+"""`InfiniteGRPOConfig`: every rollout field maps to the engine, bad values raise naming the field."""
+
+from dataclasses import fields
+
+import pytest
+from conftest import cpu_args
+
+from trl_infinite.engine import EngineConfig
+from trl_infinite.trainer import InfiniteGRPOConfig, engine_config_from_args
+
+
+def test_rollout_fields_map_to_engine_config_and_have_help(tmp_path):
+    args = cpu_args(tmp_path)
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    rollout = [f for f in fields(InfiniteGRPOConfig) if f.name.startswith("rollout_")]
+    assert len(rollout) >= 6
+    for f in rollout:
+        assert f.name[len("rollout_"):] in engine_fields, f.name
+        assert f.metadata.get("help"), f.name
+    # defaults are the engine's own defaults
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_values_reach_the_engine_config(tmp_path):
+    args = cpu_args(
+        tmp_path, rollout_sampling_mode="micro_group", rollout_max_active_sequences=3, rollout_kv_cache_tokens=512,
+        rollout_block_size=8,
+    )
+    cfg = engine_config_from_args(args)
+    assert (cfg.sampling_mode, cfg.max_active_sequences, cfg.kv_cache_tokens, cfg.block_size) == (
+        "micro_group", 3, 512, 8,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"rollout_sampling_mode": "bogus"}, "rollout_sampling_mode"),
+        ({"rollout_max_active_sequences": 0}, "rollout_max_active_sequences"),
+        ({"rollout_max_active_sequences": None}, "rollout_max_active_sequences"),
+        ({"rollout_kv_cache_gb": -1.0}, "rollout_kv_cache_gb"),
+        ({"rollout_kv_cache_tokens": 0}, "rollout_kv_cache_tokens"),
+        ({"rollout_kv_cache_gb": 1.0, "rollout_kv_cache_tokens": 64}, "rollout_kv_cache_tokens"),
+        ({"rollout_kv_cache_fraction": 1.5}, "rollout_kv_cache_fraction"),
+        ({"rollout_block_size": 0}, "rollout_block_size"),
+        ({"rollout_attention_backend": "flash9"}, "rollout_attention_backend"),
+        ({"rollout_scheduler": "nope"}, "rollout_scheduler"),
+        ({"rollout_batch_policy": "nope"}, "rollout_batch_policy"),
+    ],
+)
+def test_invalid_values_raise_naming_the_field(tmp_path, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        cpu_args(tmp_path, **overrides)
+
+
+def test_unsupported_generation_kwargs_are_refused(tmp_path, model, tokenizer, dataset):
+    from conftest import token_sum_reward
+
+    from trl_infinite.trainer import InfiniteGRPOTrainer
+
+    args = cpu_args(tmp_path, generation_kwargs={"num_beams": 4})
+    with pytest.raises(ValueError, match="num_beams"):
+        InfiniteGRPOTrainer(
+            model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        )

@@ -1,0 +1,114 @@
+"""The gradient accumulated over one generation batch equals vanilla `GRPOTrainer`'s for the same completions,
+although the micro batches are length-sorted and each padded only to its own longest sequence."""
+
+import pytest
+import torch
+from _models import tiny_model
+from conftest import cpu_args, token_sum_reward
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_infinite.trainer import InfiniteGRPOTrainer
+from trl_infinite.trainer.backprop import make_micro_batches, trim_padding
+
+
+def fixed_completions(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """Deterministic completions of very different lengths (1..9 tokens), no EOS, a function of the row only."""
+    out = []
+    for i, p in enumerate(prompt_ids):
+        n = 1 + (7 * i + sum(p)) % 9
+        out.append([4 + (sum(p) + 3 * i + j) % 90 for j in range(n)])
+    return out, None
+
+
+class GradCapture(TrainerCallback):
+    """Copies the accumulated gradients right before the (first) optimizer step."""
+
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def accumulated_grads(cls, config_cls, tmp_path, tokenizer, dataset, generate=fixed_completions, **overrides):
+    args = cpu_args(
+        tmp_path / cls.__name__, cls=config_cls, gradient_accumulation_steps=3, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=9, max_grad_norm=0.0, **overrides,
+    )
+    capture = GradCapture()
+    trainer = cls(
+        model=tiny_model("qwen3").train(), reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[capture],
+    )
+    if generate is not None:
+        trainer._generate_single_turn = generate
+    trainer.train()
+    return capture.grads, trainer
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo"])
+def test_accumulated_gradient_matches_trl(tmp_path, tokenizer, dataset, loss_type):
+    ours, _ = accumulated_grads(InfiniteGRPOTrainer, None, tmp_path, tokenizer, dataset, loss_type=loss_type)
+    ref, _ = accumulated_grads(GRPOTrainer, GRPOConfig, tmp_path, tokenizer, dataset, loss_type=loss_type)
+    assert ours.keys() == ref.keys() and len(ours) > 0
+    scale = max(g.abs().max().item() for g in ref.values())
+    assert scale > 0
+    for name in ref:
+        # float32 sums over differently padded/ordered micro batches: equal up to rounding
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+def test_engine_completions_give_trl_gradient(tmp_path, tokenizer, dataset, monkeypatch):
+    """Record what the engine generates, replay exactly those completions through vanilla TRL: same gradient."""
+    recorded = []
+    original = InfiniteGRPOTrainer._generate_single_turn
+
+    def recording(self, *args, **kwargs):
+        completions, logprobs = original(self, *args, **kwargs)
+        assert len(logprobs) == len(completions) and all(len(a) == len(b) for a, b in zip(logprobs, completions))
+        recorded.append(completions)
+        return completions, logprobs
+
+    monkeypatch.setattr(InfiniteGRPOTrainer, "_generate_single_turn", recording)
+    ours, _ = accumulated_grads(InfiniteGRPOTrainer, None, tmp_path, tokenizer, dataset, generate=None)
+    assert len({len(c) for c in recorded[0]}) > 1  # the engine produced completions of several lengths
+
+    def replay(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return recorded[0], None
+
+    ref, _ = accumulated_grads(GRPOTrainer, GRPOConfig, tmp_path, tokenizer, dataset, generate=replay)
+    scale = max(g.abs().max().item() for g in ref.values())
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+def test_micro_batches_sorted_and_trimmed():
+    torch.manual_seed(0)
+    lengths = [5, 1, 3, 8, 2, 7]
+    prompt_lens = [2, 4, 3, 1, 4, 2]
+    B, P, C = len(lengths), max(prompt_lens), max(lengths)
+    completion_mask = torch.tensor([[1] * n + [0] * (C - n) for n in lengths])
+    prompt_mask = torch.tensor([[0] * (P - n) + [1] * n for n in prompt_lens])
+    batch = {
+        "prompt_ids": torch.arange(B * P).view(B, P), "prompt_mask": prompt_mask,
+        "completion_ids": torch.arange(B * C).view(B, C), "completion_mask": completion_mask,
+        "advantages": torch.arange(B, dtype=torch.float), "num_items_in_batch": torch.tensor(26),
+    }
+    chunks = make_micro_batches(batch, 3, "grpo")
+    assert sorted(int(c["completion_mask"].sum()) for c in chunks) == [3, 8, 15]  # {1,2} {3,5} {7,8}
+    for c in chunks:
+        assert c["completion_mask"].shape[1] == int(c["completion_mask"].sum(1).max())  # own longest
+        assert c["prompt_mask"][:, 0].any() and c["completion_mask"][:, -1].any()
+        assert c["num_items_in_batch"] is batch["num_items_in_batch"]
+        for row in range(2):  # rows stay intact: ids/advantages move together
+            b = int(c["advantages"][row])
+            n = lengths[b]
+            assert c["completion_ids"][row, :n].tolist() == batch["completion_ids"][b, :n].tolist()
+    # bnpo keeps a random split, still trimmed; rounding to pad_to_multiple_of
+    assert len(make_micro_batches(batch, 2, "bnpo")) == 2
+    assert trim_padding(batch, multiple=4)["completion_ids"].shape[1] == 8
+    one = {k: (v[1:2] if k != "num_items_in_batch" else v) for k, v in batch.items()}
+    trimmed = trim_padding(one, multiple=4)
+    assert trimmed["completion_ids"].shape[1] == 4 and trimmed["prompt_ids"].shape[1] == 4

@@ -1,0 +1,147 @@
+"""End-to-end training with the engine on CPU: parameters move, large G, streamed rewards, errors, PEFT."""
+
+import threading
+
+import pytest
+import torch
+from _models import reference_greedy, tiny_model
+from conftest import PROMPTS, cpu_args, token_sum_reward
+from datasets import Dataset
+
+from trl_infinite.trainer import InfiniteGRPOTrainer, RewardFunctionError
+
+
+def make_trainer(tmp_path, tokenizer, dataset, reward_funcs=token_sum_reward, model=None, **overrides):
+    args = cpu_args(tmp_path, **overrides)
+    return InfiniteGRPOTrainer(
+        model=model if model is not None else tiny_model("qwen3").train(),
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+
+
+def test_two_steps_change_every_trainable_parameter(tmp_path, tokenizer, dataset):
+    trainer = make_trainer(tmp_path, tokenizer, dataset, max_steps=2, rollout_max_active_sequences=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    for name, param in trainer.model.named_parameters():
+        assert not torch.equal(before[name], param), f"{name} did not change"
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for key in ("rollout/tokens_per_second", "rollout/decode_steps", "rollout/peak_kv_gb",
+                "rollout/peak_active_sequences", "rollout/prefill_tokens"):
+        assert all(key in h for h in logs), key
+    assert logs[0]["rollout/peak_active_sequences"] <= 2
+    # 2 slots: a step adds at most 2 tokens per slot (a fresh sample's first token plus its decode token)
+    assert 4 * logs[0]["rollout/decode_steps"] >= logs[0]["rollout/generated_tokens"] > 0
+
+
+def test_group_larger_than_one_micro_batch_trains(tmp_path, tokenizer, dataset):
+    """G=16 samples of one prompt, per-device batch 4 (4 micro batches), 4 decode slots."""
+    trainer = make_trainer(
+        tmp_path, tokenizer, dataset, num_generations=16, per_device_train_batch_size=4,
+        gradient_accumulation_steps=4, rollout_max_active_sequences=4, max_completion_length=6,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert torch.isfinite(torch.tensor(log["loss"]))
+    assert log["rollout/peak_active_sequences"] == 4
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_rewards_stream_in_chunks_off_the_decode_thread(tmp_path, tokenizer, dataset):
+    calls = []
+
+    def recording_reward(completion_ids, **kwargs):
+        calls.append((threading.current_thread().name, len(completion_ids)))
+        return token_sum_reward(completion_ids)
+
+    trainer = make_trainer(tmp_path, tokenizer, dataset, reward_funcs=recording_reward, rollout_max_active_sequences=3)
+    trainer.train()
+    assert sum(n for _, n in calls) == 4  # every completion scored exactly once
+    assert all(n <= 3 for _, n in calls) and len(calls) >= 2  # chunks of at most g
+    assert all(name.startswith("trl-infinite-rewards") for name, _ in calls)
+    logged = trainer._logs["rewards"]["recording_reward"]
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(sum(logged) / len(logged))
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_streamed_rewards_feed_trl_normalisation(tmp_path, tokenizer, dataset, scale_rewards):
+    """The cached rewards are exactly what the reward function gives on the final completions, and TRL's
+    advantages follow from them for every `scale_rewards` mode."""
+    trainer = make_trainer(tmp_path, tokenizer, dataset, scale_rewards=scale_rewards, rollout_max_active_sequences=2,
+                           per_device_train_batch_size=8, num_generations=4)
+    trainer.train()
+    rewards = torch.tensor(trainer._logs["rewards"]["token_sum_reward"])
+    advantages = torch.tensor(trainer._logs["advantages"])
+    grouped = rewards.view(-1, 4)
+    centred = (grouped - grouped.mean(1, keepdim=True)).flatten()
+    if scale_rewards == "group":
+        expected = centred / (grouped.std(1).repeat_interleave(4) + 1e-4)
+    elif scale_rewards == "batch":
+        expected = centred / (rewards.std() + 1e-4)
+    else:
+        expected = centred
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reward_error_names_the_prompt(tmp_path, tokenizer, dataset):
+    def fragile_reward(prompts, completion_ids, **kwargs):
+        for p in prompts:
+            if "knave" in p:
+                raise ZeroDivisionError("cannot score knaves")
+        return token_sum_reward(completion_ids)
+
+    two_prompts = Dataset.from_dict({"prompt": [PROMPTS[0], PROMPTS[1]]})  # the first batch holds the knave
+    trainer = make_trainer(tmp_path, tokenizer, two_prompts, reward_funcs=fragile_reward,
+                           per_device_train_batch_size=8, rollout_max_active_sequences=3)
+    with pytest.raises(RewardFunctionError, match=r"fragile_reward.*ZeroDivisionError.*on prompt \d") as info:
+        trainer.train()
+    err = info.value
+    assert "knave" in err.prompt and err.prompt in PROMPTS
+    assert err.prompt_index in (0, 1)  # 2 distinct prompts per batch of 8 rows with G=4
+    assert isinstance(err.__cause__, ZeroDivisionError)
+
+
+def test_rows_keep_trl_order_and_eos_cut(tmp_path, tokenizer, dataset):
+    """Greedy rollouts through the trainer hook equal `model.generate` for every row (repeated prompts
+    de-duplicated, completions returned in TRL's row order, cut after EOS)."""
+    trainer = make_trainer(tmp_path, tokenizer, dataset, generation_kwargs={"do_sample": False},
+                           max_completion_length=10)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    rows = [p for p in prompts for _ in range(3)] + [prompts[0]]  # runs of 3, 3, 3 and 1
+    completions, logprobs = trainer._generate_single_turn(rows, None, {}, 3)
+    model = trainer.model.eval()
+    for row, ids in zip(rows, completions):
+        assert ids == reference_greedy(model, row, 10, trainer.eos_token_ids)
+    assert [len(lp) for lp in logprobs] == [len(c) for c in completions]
+    assert all(lp <= 0 for lps in logprobs for lp in lps)
+
+
+def test_peft_lora_generates_through_adapters(tmp_path, tokenizer, dataset):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    trainer = make_trainer(tmp_path, tokenizer, dataset, generation_kwargs={"do_sample": False},
+                           max_completion_length=10)
+    trainer = InfiniteGRPOTrainer(
+        model=tiny_model("qwen3").train(), reward_funcs=token_sum_reward, args=trainer.args, train_dataset=dataset,
+        processing_class=tokenizer, peft_config=lora,
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():  # LoRA B starts at zero: make the adapters change the output
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    rows = [p for p in prompts for _ in range(2)]
+    completions, _ = trainer._generate_single_turn(rows, None, {}, 2)
+    peft_model = trainer.model.eval()
+    eos = trainer.eos_token_ids
+    with peft_model.disable_adapter():
+        base = [reference_greedy(peft_model, p, 10, eos) for p in prompts]
+    adapted = [reference_greedy(peft_model, p, 10, eos) for p in prompts]
+    assert base != adapted  # the adapters matter
+    assert completions == [adapted[0], adapted[0], adapted[1], adapted[1]]

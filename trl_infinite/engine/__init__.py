@@ -1,0 +1,8 @@
+"""The rollout engine (never imports `trl`)."""
+
+from .config import EngineConfig, SamplingParams
+from .engine import RolloutEngine
+from .kv_pool import KVCachePool
+from .outputs import RolloutResult, RolloutStats
+
+__all__ = ["EngineConfig", "KVCachePool", "RolloutEngine", "RolloutResult", "RolloutStats", "SamplingParams"]

@@ -1,0 +1,118 @@
+"""Attention over the paged KV pool for any Hugging Face causal LM.
+
+`PAGED_ATTENTION_NAME` is registered with `transformers.AttentionInterface`; while the engine runs a forward, the
+model's `config._attn_implementation` points at it and the forward kwargs carry a `PagedContext` (`paged_ctx=`).
+The function writes the new keys/values into the pool at `slot_mapping`, then calls the selected backend, which
+only reads the pool. Backends share one signature:
+`backend(query [T, H, D], k_cache [slots, Hkv, D], v_cache, meta, scale, sliding_window) -> [T, H, D]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from .metadata import PagedAttentionMetadata, Segment, build_metadata
+from .torch_backend import torch_paged_attention
+
+PAGED_ATTENTION_NAME = "trl_infinite_paged"
+ATTENTION_BACKEND_FNS: dict[str, Callable] = {"torch": torch_paged_attention}
+
+
+def register_attention_backend(name: str, fn: Callable) -> None:
+    """Make `fn` selectable as `EngineConfig.attention_backend=name`."""
+    ATTENTION_BACKEND_FNS[name] = fn
+
+
+def resolve_backend(name: str, device: torch.device) -> Callable:
+    """"auto" picks Triton on CUDA when it is importable, the torch reference otherwise."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                from . import triton_backend  # noqa: F401  (registers "triton")
+
+                name = "triton"
+            except ImportError:
+                pass
+    if name == "triton" and "triton" not in ATTENTION_BACKEND_FNS:
+        from . import triton_backend  # noqa: F401
+    if name not in ATTENTION_BACKEND_FNS:
+        raise ValueError(f"`attention_backend` must be one of {sorted(ATTENTION_BACKEND_FNS)} or 'auto', got {name!r}.")
+    return ATTENTION_BACKEND_FNS[name]
+
+
+@dataclass
+class PagedContext:
+    """Everything the attention function needs for one forward."""
+
+    k_cache: torch.Tensor  # [L, num_slots, Hkv, D]
+    v_cache: torch.Tensor
+    meta: PagedAttentionMetadata
+    backend: Callable
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    paged_ctx: PagedContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if paged_ctx is None:
+        raise RuntimeError(f"attention {PAGED_ATTENTION_NAME!r} called without `paged_ctx`: only the engine uses it.")
+    layer = module.layer_idx
+    k_cache, v_cache, meta = paged_ctx.k_cache[layer], paged_ctx.v_cache[layer], paged_ctx.meta
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_ctx.backend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale, sliding_window)  # [T, H, D]
+    return out[None], None
+
+
+AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
+
+
+def attention_configs(model: torch.nn.Module) -> list:
+    """The distinct configs whose `_attn_implementation` the model's attention layers read (usually one)."""
+    found = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    return list(found.values())
+
+
+@contextmanager
+def paged_attention(model: torch.nn.Module, configs: list | None = None) -> Iterator[None]:
+    """Route the model's attention through the pool for the duration of the block, then restore it.
+    Pass `configs` (from `attention_configs`) to skip walking the module tree on every forward."""
+    configs = attention_configs(model) if configs is None else configs
+    saved = [c._attn_implementation_internal for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation_internal = PAGED_ATTENTION_NAME
+        yield
+    finally:
+        for c, impl in zip(configs, saved):
+            c._attn_implementation_internal = impl
+
+
+__all__ = [
+    "ATTENTION_BACKEND_FNS",
+    "PAGED_ATTENTION_NAME",
+    "PagedAttentionMetadata",
+    "PagedContext",
+    "attention_configs",
+    "Segment",
+    "build_metadata",
+    "paged_attention",
+    "register_attention_backend",
+    "resolve_backend",
+    "torch_paged_attention",
+]

@@ -1,0 +1,161 @@
+"""Triton paged attention backend ("triton"): shared-prefix (cascade) decode kernels, torch reference otherwise.
+
+What runs where:
+- decode forwards (every segment has one query token, no sliding window): `_prefix_kernel` once per group of
+  segments sharing a prompt, then `_suffix_kernel` once per segment, merged by log-sum-exp (see `triton_kernels`);
+- multi-token forwards (prompt prefill, recompute, speculative verification with drafts) and sliding-window layers:
+  the torch reference `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is
+  where the memory-bound time goes).
+
+Importing this module registers the backend, so `EngineConfig.attention_backend="auto"` picks it on CUDA. The kernels
+need CUDA tensors, or `TRITON_INTERPRET=1` set before `triton` is imported (Triton's CPU interpreter, for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+
+from . import register_attention_backend
+from .metadata import PagedAttentionMetadata
+from .torch_backend import torch_paged_attention
+from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
+
+LOG2E = 1.4426950408889634
+BLOCK_M_PREFIX = 64  # query rows (samples x GQA heads) per prefix tile
+BLOCK_N = 32  # KV positions per tile
+MAX_PREFIX_SPLITS = 4  # programs sharing the row tiles of one large group
+MAX_SUFFIX_SPLITS = 16  # split-K of long own contexts when there are too few (segment, KV head) programs
+SPLIT_MIN_TOKENS = 256  # fewest context tokens per suffix split
+_PLAN_ATTR = "_triton_cascade_plan"
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs.runtime.interpret) if knobs is not None else False
+
+
+def cascade_plan(meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of segments that share one prompt, without a host sync.
+
+    Returns `order` [S] (segments sorted by group, stable) and `run_len` [S]: at sorted position i, the number of
+    segments in the run starting there, 0 where no run starts. A run is a maximal stretch of sorted segments with the
+    same `seg_group`, `prompt_lens` and `prefix_table` row (so a caller that leaves every `group_index` at 0 still
+    gets correct, just unshared, prefixes). Cached on `meta`: computed once per forward, reused by every layer."""
+    cached = meta.__dict__.get(_PLAN_ATTR)
+    if cached is not None:
+        return cached
+    order = torch.argsort(meta.seg_group, stable=True)
+    group, plen, table = meta.seg_group[order], meta.prompt_lens[order], meta.prefix_table[order]
+    starts = torch.ones_like(group, dtype=torch.bool)
+    if group.numel() > 1:
+        same = (group[1:] == group[:-1]) & (plen[1:] == plen[:-1]) & (table[1:] == table[:-1]).all(1)
+        starts[1:] = ~same
+    run_id = torch.cumsum(starts.long(), 0) - 1
+    counts = torch.zeros_like(run_id).scatter_add_(0, run_id, torch.ones_like(run_id))
+    run_len = torch.where(starts, counts[run_id], torch.zeros_like(run_id))
+    plan = (order.contiguous(), run_len.contiguous())
+    meta.__dict__[_PLAN_ATTR] = plan
+    return plan
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not (query.is_cuda or _interpreting()):
+        raise RuntimeError(
+            "attention_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton); "
+            "use attention_backend='torch' or 'auto' on this device."
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or query.stride(-1) != 1:
+        raise RuntimeError("triton paged attention needs K/V caches of equal strides and unit-stride head dims.")
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere)."""
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def suffix_splits(meta: PagedAttentionMetadata, num_kv_heads: int, sms: int) -> int:
+    """Power-of-two split-K factor of the suffix kernel: enough programs for about two waves over `sms`
+    multiprocessors, at least `SPLIT_MIN_TOKENS` context tokens per split (host ints only: no sync)."""
+    programs = meta.prompt_lens.shape[0] * num_kv_heads
+    want = min(MAX_SUFFIX_SPLITS, -(-2 * sms // programs), -(-meta.max_ctx_len // SPLIT_MIN_TOKENS))
+    return 1 << (max(want, 1).bit_length() - 1)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Backend entry point (same contract as `torch_paged_attention`)."""
+    if sliding_window or not meta.is_decode:
+        return torch_paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+    return cascade_decode_attention(query, k_cache, v_cache, meta, scale)
+
+
+def cascade_decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode attention (one query token per segment) with the prompt part shared across each group."""
+    _check(query, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads.")
+    gqa = num_heads // num_kv_heads
+    num_seg = meta.prompt_lens.shape[0]
+    query = query.to(k_cache.dtype)
+    order, run_len = cascade_plan(meta)
+    o_pre = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
+    lse_pre = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GQA=gqa, PAGE=meta.block_size, BLOCK_N=BLOCK_N,
+                  PRECISION=_precision(query.dtype), UPCAST=_interpreting() and query.dtype == torch.bfloat16)
+    scale_log2 = scale * LOG2E
+    row_splits = min(MAX_PREFIX_SPLITS, math.ceil(num_seg * gqa / BLOCK_M_PREFIX))
+    _prefix_kernel[(num_seg, num_kv_heads, row_splits)](
+        query, k_cache, v_cache, o_pre, lse_pre,
+        order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+        o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), meta.prefix_table.stride(0),
+        scale_log2, BLOCK_M=BLOCK_M_PREFIX, **common,
+    )
+    splits = suffix_splits(meta, num_kv_heads, device_sms(query.device))
+    part_o, part_lse = o_pre, lse_pre  # unused when splits == 1
+    if splits > 1:
+        part_o = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+    _suffix_kernel[(num_seg, num_kv_heads, splits)](
+        query, k_cache, v_cache, o_pre, lse_pre, out, part_o, part_lse,
+        meta.q_start, meta.q_pos, meta.prompt_lens, meta.suffix_table,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+        o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), out.stride(0), out.stride(1),
+        max(meta.suffix_table.stride(0), 1),
+        scale_log2, BLOCK_M=max(16, triton.next_power_of_2(gqa)), SPLITS=splits, **common,
+    )
+    if splits > 1:
+        _merge_kernel[(num_tokens, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits
+        )
+    return out
+
+
+register_attention_backend("triton", triton_paged_attention)

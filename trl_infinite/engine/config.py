@@ -1,0 +1,190 @@
+"""User-facing configuration of the rollout engine: `EngineConfig` (how to run) and `SamplingParams` (what to sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SAMPLING_MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def _positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        none = " or None" if allow_none else ""
+        raise ValueError(f"`{name}` must be a number {bound}{none}, got {value!r}.")
+
+
+@dataclass
+class EngineConfig:
+    """How the rollout engine runs.
+
+    The KV budget is given either as a token count (`kv_cache_tokens`) or in gigabytes (`kv_cache_gb`); with neither,
+    the engine takes `kv_cache_fraction` of the free accelerator memory on CUDA and `default_cpu_kv_tokens` on CPU.
+    The pool is allocated once from that budget and never grows.
+    """
+
+    sampling_mode: str = field(
+        default="fixed_slot",
+        metadata={"help": f"How samples share the decode batch: one of {list(SAMPLING_MODES)}."},
+    )
+    max_active_sequences: int | None = field(
+        default=32,
+        metadata={"help": "g: decode slots (micro-group size) of `micro_group` and `fixed_slot`. `full_group` runs "
+                  "every sample at once and `dynamic_slot` as many as memory allows, so both ignore it."},
+    )
+    kv_cache_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (all layers)."})
+    kv_cache_gb: float | None = field(default=None, metadata={"help": "KV pool size in GB (K and V, all layers)."})
+    kv_cache_fraction: float = field(
+        default=0.5, metadata={"help": "Fraction of free CUDA memory for the KV pool when no explicit budget is set."}
+    )
+    default_cpu_kv_tokens: int = field(default=65536, metadata={"help": "KV pool tokens on CPU with no budget set."})
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
+    max_prefill_tokens: int = field(
+        default=4096, metadata={"help": "Most prompt/recompute tokens run through the model in one prefill forward."}
+    )
+    attention_backend: str = field(
+        default="auto", metadata={"help": f"Paged attention backend: one of {list(ATTENTION_BACKENDS)}."}
+    )
+    scheduler: str = field(default="fifo", metadata={"help": "Order in which pending samples take free slots."})
+    batch_policy: str = field(default="static", metadata={"help": "How many samples run at once."})
+    length_predictor: object = field(
+        default="prefix",
+        metadata={"help": "Length predictor of length-aware schedulers (sjf, lfs, fptas, infinite): 'prefix' (online "
+                  "regression head on the policy's hidden state at completion token k), 'group', 'oracle' "
+                  "(forced lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> length, or a "
+                  "sequence-classification model."},
+    )
+    prefix_predictor_k: int = field(default=16, metadata={"help": "k: prefix tokens the 'prefix' predictor reads."})
+    fptas_epsilon: float = field(default=0.1, metadata={"help": "FPTAS tolerance: plan <= (1 + eps) * optimum."})
+    chunk_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Divided rollout: a sample decodes at most this many tokens, then returns to the queue "
+                  "with its KV kept (moved to host memory when the pool needs room). None = off."},
+    )
+    sla_decode_ms: float | None = field(
+        default=None, metadata={"help": "batch_policy='sla': target decode step latency in milliseconds."}
+    )
+    speculative_method: str | None = field(
+        default=None,
+        metadata={"help": "Speculative drafter: None (off), 'suffix', 'ngram', 'draft_model', 'best_of_n' or a "
+                  "registered name. Verification is lossless (greedy output is token-identical)."},
+    )
+    num_speculative_tokens: int = field(
+        default=5, metadata={"help": "Most draft tokens verified per sample and step (k)."}
+    )
+    speculative_draft_model: object = field(
+        default=None, metadata={"help": "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n')."}
+    )
+    speculative_adaptive: bool = field(
+        default=True,
+        metadata={"help": "Per-sample draft length from recent acceptance and a batch switch from an online cost "
+                  "model (speculation off while the batch is large). False = always draft `num_speculative_tokens`."},
+    )
+
+    def __post_init__(self) -> None:
+        _choice("sampling_mode", self.sampling_mode, SAMPLING_MODES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _positive("max_active_sequences", self.max_active_sequences, allow_none=True)
+        if self.max_active_sequences is None and self.sampling_mode in ("micro_group", "fixed_slot"):
+            raise ValueError(
+                f"`max_active_sequences` must be a positive integer for sampling_mode={self.sampling_mode!r}."
+            )
+        _positive("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
+        _positive("kv_cache_gb", self.kv_cache_gb, allow_none=True)
+        if self.kv_cache_tokens is not None and self.kv_cache_gb is not None:
+            raise ValueError("Set at most one of `kv_cache_tokens` and `kv_cache_gb`, not both.")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"`kv_cache_fraction` must be in (0, 1], got {self.kv_cache_fraction!r}.")
+        _positive("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
+        _positive("block_size", self.block_size)
+        _positive("max_prefill_tokens", self.max_prefill_tokens)
+        from .scheduling.registry import BATCH_POLICIES, SCHEDULERS
+
+        _choice("scheduler", self.scheduler, tuple(SCHEDULERS))
+        _choice("batch_policy", self.batch_policy, tuple(BATCH_POLICIES))
+        self._check_scheduling()
+        self._check_speculative()
+
+    def _check_scheduling(self) -> None:
+        from .scheduling.predictors import PREDICTORS
+
+        if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
+            _choice("length_predictor", self.length_predictor, tuple(PREDICTORS))
+        if not isinstance(self.prefix_predictor_k, int) or self.prefix_predictor_k < 1:
+            raise ValueError(f"`prefix_predictor_k` must be an integer >= 1, got {self.prefix_predictor_k!r}.")
+        if not isinstance(self.fptas_epsilon, (int, float)) or not 0.0 < self.fptas_epsilon <= 1.0:
+            raise ValueError(f"`fptas_epsilon` must be in (0, 1], got {self.fptas_epsilon!r}.")
+        if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
+            raise ValueError(f"`chunk_tokens` must be an integer >= 1 or None, got {self.chunk_tokens!r}.")
+        _positive("sla_decode_ms", self.sla_decode_ms, allow_none=True)
+        if self.batch_policy == "sla" and self.sla_decode_ms is None:
+            raise ValueError("`batch_policy='sla'` needs `sla_decode_ms` (target decode step latency in ms).")
+
+    def _check_speculative(self) -> None:
+        from ..spec_decode import DRAFTERS
+
+        _choice("speculative_method", self.speculative_method, (None, *DRAFTERS))
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"`num_speculative_tokens` must be an integer >= 1, got {self.num_speculative_tokens!r}.")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"`speculative_adaptive` must be True or False, got {self.speculative_adaptive!r}.")
+        if self.speculative_method == "draft_model" and self.speculative_draft_model is None:
+            raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
+
+    @property
+    def slot_limit(self) -> int | None:
+        """Most sequences decoding at once (None = bounded by memory only)."""
+        if self.sampling_mode in ("full_group", "dynamic_slot"):
+            return None
+        return self.max_active_sequences
+
+
+@dataclass
+class SamplingParams:
+    """What to sample; semantics follow `transformers.GenerationConfig` (and so TRL's generation settings).
+
+    `temperature == 0` or `do_sample=False` means greedy decoding. `top_k=0`, `top_p=1`, `min_p=0` and
+    `repetition_penalty=1` disable those processors. `seed` makes sampling reproducible per (prompt, sample).
+    """
+
+    max_new_tokens: int | None = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    do_sample: bool = True
+    eos_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None:
+            if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+                raise ValueError(f"`max_new_tokens` must be a positive integer or None, got {self.max_new_tokens!r}.")
+        _positive("temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p!r}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"`top_k` must be an integer >= 0 (0 disables it), got {self.top_k!r}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"`min_p` must be in [0, 1], got {self.min_p!r}.")
+        _positive("repetition_penalty", self.repetition_penalty)
+        self.eos_token_ids = [int(t) for t in (self.eos_token_ids or [])]
+        if not self.eos_token_ids and self.max_new_tokens is None:
+            raise ValueError("`eos_token_ids` is empty and `max_new_tokens` is None: generation would never stop. "
+                             "Set `max_new_tokens` to a positive integer or give at least one EOS id.")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"`seed` must be an integer, got {self.seed!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return (not self.do_sample) or self.temperature == 0.0

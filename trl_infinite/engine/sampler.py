@@ -1,0 +1,116 @@
+"""Token sampling with `transformers` generate semantics and counter-based randomness.
+
+Processing order is the one `GenerationMixin` uses: repetition penalty, then temperature, top-k, top-p, min-p (the
+warpers are transformers' own classes). Sampling uses the Gumbel-max / exponential-race trick:
+`argmax_v (log p_v + G_v)` with `G_v = -log(-log U_v)` is an exact draw from `p`, and needs no host sync.
+
+The uniforms `U` are a pure function of (seed, prompt index, sample index, position, vocabulary id, stream), a
+counter-based generator: the same seed gives the same sample whatever the batch composition, the sampling mode or
+the scheduler, and speculative verification can draw its acceptance coins from the same streams.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .config import SamplingParams
+
+_MASK = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_C1 = 0xFF51AFD7ED558CCD - (1 << 64)  # murmur3 fmix64 constants, as signed int64
+_C2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """murmur3 fmix64 finaliser on int64 tensors (wrapping arithmetic)."""
+    x = x ^ _shr(x, 33)
+    x = x * _C1
+    x = x ^ _shr(x, 33)
+    x = x * _C2
+    return x ^ _shr(x, 33)
+
+
+def row_keys(seed: int, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """One int64 key per row from (seed, prompt, sample, position, stream). All inputs [N] int64."""
+    k = mix64(torch.full_like(group_ids, _signed(seed * 0x9E3779B97F4A7C15 + stream + 1)))
+    for part in (group_ids, sample_ids, positions):
+        k = mix64(k ^ (part * _GOLDEN))
+    return k
+
+
+def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, n] float32 uniforms in (0, 1), the v-th column a function of (key, v) only."""
+    cols = torch.arange(n, device=keys.device, dtype=torch.long)
+    bits = _shr(mix64(keys[:, None] + cols[None, :] * _GOLDEN), 40)  # 24 random bits
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_argmax(logprobs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exact sample from softmax(logprobs) per row ([N, V] -> [N]) via the exponential race."""
+    u = uniforms(keys, logprobs.shape[-1])
+    return torch.argmax(logprobs - torch.log(-torch.log(u)), dim=-1)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' rule on every token already in the context: negative logits * penalty, positive / penalty.
+    `history` is [N, L] token ids padded with -1."""
+    if penalty == 1.0:
+        return logits
+    # padding (-1) goes to a spare column V: scattering it onto id 0 would race with real occurrences of token 0
+    vocab = logits.shape[-1]
+    seen = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, torch.where(history >= 0, history, vocab), True)
+    seen = seen[:, :vocab]
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+class Sampler:
+    """Processes logits and samples one token per row with the call's `SamplingParams`."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        warpers = []
+        if not params.greedy:
+            if params.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                warpers.append(TopKLogitsWarper(top_k=params.top_k))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=params.top_p))
+            if params.min_p > 0.0:
+                warpers.append(MinPLogitsWarper(min_p=params.min_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def process(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] raw logits -> [N, V] float32 log-probabilities of the distribution actually sampled from."""
+        scores = logits.float()
+        if history is not None:
+            scores = apply_repetition_penalty(scores, history, self.params.repetition_penalty)
+        scores = self.warpers(None, scores)
+        return torch.log_softmax(scores, dim=-1)
+
+    def sample(self, logprobs: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [N] and their log-probabilities [N] from processed `logprobs` [N, V]."""
+        tokens = logprobs.argmax(-1) if self.params.greedy else gumbel_argmax(logprobs, keys)
+        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]

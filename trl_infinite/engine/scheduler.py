@@ -1,0 +1,293 @@
+"""The continuous micro-group scheduler: slots, KV blocks, admission and preemption (pure Python).
+
+Each step it (1) makes sure every running sample has blocks for the tokens it will write, preempting when the pool
+is short, (2) admits waiting samples as the sampling mode, the admission policy and the free blocks allow, and
+(3) hands a `ScheduledBatch` to an executor (the model runner, or the simulator's trace replayer). The executor's
+tokens come back through `postprocess`, which finishes samples and frees their blocks at once.
+
+A prompt's blocks are allocated when its first sample is admitted and stay resident until all G samples of the
+group finished; a sample owns only the blocks of its own completion tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block_manager import BlockAllocator, blocks_for
+from .scheduling.base import AdmissionPolicy, SchedulePolicy, SchedulerView
+from .sequence import Group, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step of work. `decode` holds every running sample (fresh ones included) in slot order."""
+
+    prefill_groups: list[Group] = field(default_factory=list)  # prompts to prefill (blocks already allocated)
+    recompute: list[Sequence] = field(default_factory=list)  # re-run output_ids[num_cached:-1] into the cache
+    fresh: list[Sequence] = field(default_factory=list)  # first token comes from the group's prompt logits
+    decode: list[Sequence] = field(default_factory=list)
+    lookahead: int = 0  # extra KV slots reserved per sample (speculative drafts)
+    # divided rollout's host tier: copy these blocks' KV out to host (before anything runs), then back in
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    prompt_evictions: int = 0
+    peak_running: int = 0
+    running_sum: int = 0
+    steps: int = 0
+    parks: int = 0  # divided rollout: a sample returned to the queue with its KV kept
+    offloaded_blocks: int = 0  # blocks of parked samples moved to the host tier (and later back, no re-prefill)
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+
+class Scheduler:
+    """Admission, block accounting and preemption for one `generate` call."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        policy: SchedulePolicy,
+        admission: AdmissionPolicy,
+        sampling_mode: str,
+        slot_limit: int | None,
+        chunk_tokens: int | None = None,
+    ):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.policy = policy
+        self.admission = admission
+        self.sampling_mode = sampling_mode
+        self.slot_limit = slot_limit
+        self.chunk_tokens = chunk_tokens
+        self._swap_out: list[tuple[Sequence, list[int]]] = []
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.finished: list[Sequence] = []
+        self.groups: list[Group] = []
+        self.counters = SchedulerCounters()
+        self._admit_counter = 0
+        self.step_idx = 0
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, groups: list[Group], sequences: list[Sequence]) -> None:
+        self.groups.extend(groups)
+        self.waiting.extend(sequences)
+        self.policy.on_submit(groups, sequences)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def view(self) -> SchedulerView:
+        return SchedulerView(
+            running=self.running,
+            waiting=self.waiting,
+            free_blocks=self.allocator.num_free,
+            num_blocks=self.allocator.num_blocks,
+            block_size=self.block_size,
+            step=self.step_idx,
+        )
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, lookahead: int = 0) -> ScheduledBatch:
+        """Grow running samples' blocks, then admit; never allocates past the pool."""
+        batch = ScheduledBatch(lookahead=lookahead)
+        self._grow_running(lookahead)
+        self._admit(batch, lookahead)
+        if not self.running and self.waiting:
+            raise RuntimeError("no sample could be scheduled although the pool was checked up front (bug).")
+        batch.decode = list(self.running)
+        batch.swap_out, self._swap_out = self._swap_out, []
+        self.counters.steps += 1
+        self.counters.running_sum += len(self.running)
+        self.counters.peak_running = max(self.counters.peak_running, len(self.running))
+        self.allocator.sample_usage()
+        return batch
+
+    def _own_blocks_needed(self, seq: Sequence, lookahead: int) -> int:
+        # KV slots for every output token (a fresh sample gets its first token before the forward) + drafts.
+        return blocks_for(max(seq.num_generated, 1) + lookahead, self.block_size)
+
+    def _grow_running(self, lookahead: int) -> None:
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
+            while need > 0 and not self.allocator.can_allocate(need):
+                if not self._make_room(requester=seq):
+                    break
+            if seq.status is SeqStatus.RUNNING and need > 0:
+                seq.blocks.extend(self.allocator.allocate(need))
+
+    def _make_room(self, requester: Sequence) -> bool:
+        """Free memory for `requester`: move a parked sample's KV to the host tier, else evict an idle prompt, else
+        preempt a running sample (possibly itself). Returns False when the requester itself was preempted."""
+        if self._offload_one(keep=requester):
+            return True
+        idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done]
+        if idle:
+            self._evict_prompt(idle[-1])
+            return True
+        others = [s for s in self.running if s is not requester]
+        victim = self.policy.victim(others) if others else requester
+        self.preempt(victim)
+        return victim is not requester
+
+    def _admit(self, batch: ScheduledBatch, lookahead: int) -> None:
+        if self.sampling_mode in ("micro_group", "full_group") and self.running:
+            return  # a round admits only when the previous round has fully finished
+        view = self.view()
+        limit = self.slot_limit
+        bound = self.admission.max_running(view)
+        if bound is not None:
+            limit = bound if limit is None else min(limit, bound)
+        for seq in self.policy.ordered(view):
+            if limit is not None and len(self.running) >= limit:
+                break
+            group = seq.group
+            need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
+            need += 0 if group.resident else blocks_for(group.prompt_len, self.block_size)
+            if self.sampling_mode == "dynamic_slot":
+                need += len(self.running)  # headroom: every running sample may need one more block
+            view.free_blocks = self.allocator.num_free
+            if not self.running and not self.allocator.can_allocate(need):
+                self._evict_idle_except(group)  # nothing runs: idle prompts must make way for progress
+                while not self.allocator.can_allocate(need) and self._offload_one(keep=seq):
+                    pass  # ... and so must parked samples' KV
+                view.free_blocks = self.allocator.num_free
+            allowed = self.running == [] or self.admission.fits(seq, need, view)
+            if not (allowed and self.allocator.can_allocate(need)):
+                if self.policy.strict():
+                    break
+                continue
+            self._start(seq, batch, lookahead)
+
+    def _evict_idle_except(self, keep: Group) -> bool:
+        idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
+        for g in idle:
+            self._evict_prompt(g)
+        return bool(idle)
+
+    def _start(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> None:
+        group = seq.group
+        if not group.resident:
+            group.prompt_blocks = self.allocator.allocate(blocks_for(group.prompt_len, self.block_size))
+            batch.prefill_groups.append(group)
+        resumed = self._resume_kv(seq, batch, lookahead)
+        if not resumed:
+            seq.blocks = self.allocator.allocate(self._own_blocks_needed(seq, lookahead))
+            seq.num_cached = 0
+        seq.status = SeqStatus.RUNNING
+        seq.admit_order = self._admit_counter
+        seq.chunk_start = seq.num_generated
+        self._admit_counter += 1
+        group.num_running += 1
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        if seq.is_fresh:
+            batch.fresh.append(seq)
+        elif seq.num_generated > 1 and not resumed:
+            batch.recompute.append(seq)
+
+    # ------------------------------------------------------------------ divided rollout
+    def _resume_kv(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> bool:
+        """A parked sample comes back with its KV: still in the pool, or copied back from the host tier."""
+        host = seq.extra.pop("host_blocks", 0)
+        if not seq.blocks and not host:
+            return False
+        extra = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
+        if extra > 0:
+            seq.blocks.extend(self.allocator.allocate(extra))
+        if host:
+            batch.swap_in.append((seq, seq.blocks[:host]))
+        return True
+
+    def _chunk_target(self, seq: Sequence) -> int | None:
+        """Output length at which the sample returns to the queue (`chunk_tokens`, or the policy's probe)."""
+        limits = [self.policy.chunk_limit(seq)]
+        if self.chunk_tokens is not None:
+            limits.append(seq.chunk_start + self.chunk_tokens)
+        limits = [x for x in limits if x is not None]
+        return min(limits) if limits else None
+
+    def park(self, seq: Sequence) -> None:
+        """Return a running sample to the queue keeping its KV blocks (it resumes with no recompute)."""
+        seq.status = SeqStatus.WAITING
+        seq.group.num_running -= 1
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.counters.parks += 1
+
+    def _offload_one(self, keep: Sequence | None) -> bool:
+        """Move the KV of the parked sample holding the most blocks to the host tier; False if none is parked."""
+        parked = [s for s in self.waiting if s.blocks and s is not keep]
+        if not parked:
+            return False
+        seq = max(parked, key=lambda s: len(s.blocks))
+        self._swap_out.append((seq, list(seq.blocks)))
+        seq.extra["host_blocks"] = len(seq.blocks)
+        self.counters.offloaded_blocks += len(seq.blocks)
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        return True
+
+    # ------------------------------------------------------------------ state changes
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sample's own blocks and put it back in the queue; its tokens are kept (recompute later)."""
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.num_cached = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        seq.group.num_running -= 1
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.counters.preemptions += 1
+
+    def _evict_prompt(self, group: Group) -> None:
+        self.allocator.free(group.prompt_blocks)
+        group.prompt_blocks = []
+        self.counters.prompt_evictions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.status = SeqStatus.FINISHED
+        group = seq.group
+        group.num_running -= 1
+        group.num_finished += 1
+        self.running.remove(seq)
+        self.finished.append(seq)
+        if group.done and group.resident:
+            self.allocator.free(group.prompt_blocks)
+            group.prompt_blocks = []
+        self.policy.on_finish(seq)
+        self.admission.on_finish(seq)
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
+        """Append each decode sample's new tokens (stopping at its end), roll back unused lookahead blocks."""
+        for seq, toks, lps in zip(batch.decode, tokens, logprobs):
+            done = False
+            for t, lp in zip(toks, lps):
+                done = seq.append_token(t, lp)
+                if done:
+                    break
+            if done:
+                self.finish(seq)
+                continue
+            seq.num_cached = seq.num_generated - 1
+            keep = blocks_for(seq.num_generated, self.block_size)
+            if len(seq.blocks) > keep:
+                self.allocator.free(seq.blocks[keep:])
+                del seq.blocks[keep:]
+            target = self._chunk_target(seq)
+            if target is not None and seq.num_generated >= target:
+                self.park(seq)
+        self.step_idx += 1
+        self.policy.on_step(self.view())

@@ -1,0 +1,31 @@
+"""Build the scheduling plug-ins from names, the same way for the engine and the trace simulator."""
+
+from __future__ import annotations
+
+from .base import AdmissionPolicy, SchedulePolicy
+from .predictors import LengthPredictor, make_predictor
+from .registry import BATCH_POLICIES, SCHEDULERS
+
+
+def build_predictor(length_predictor="prefix", prefix_k: int = 16) -> LengthPredictor:
+    """One predictor per engine (or simulated run): it keeps learning across `generate` calls."""
+    return make_predictor(length_predictor, prefix_k)
+
+
+def build_policies(
+    scheduler: str,
+    batch_policy: str,
+    predictor: LengthPredictor | None = None,
+    num_slots: int | None = None,
+    fptas_epsilon: float = 0.1,
+    sla_decode_ms: float | None = None,
+    max_batch: int | None = None,
+) -> tuple[SchedulePolicy, AdmissionPolicy]:
+    """A fresh (ordering policy, admission policy) pair for one `generate` call."""
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"`scheduler` must be one of {sorted(SCHEDULERS)}, got {scheduler!r}.")
+    if batch_policy not in BATCH_POLICIES:
+        raise ValueError(f"`batch_policy` must be one of {sorted(BATCH_POLICIES)}, got {batch_policy!r}.")
+    policy = SCHEDULERS[scheduler](predictor=predictor, num_slots=num_slots, fptas_epsilon=fptas_epsilon)
+    admission = BATCH_POLICIES[batch_policy](sla_decode_ms=sla_decode_ms, max_batch=max_batch)
+    return policy, admission

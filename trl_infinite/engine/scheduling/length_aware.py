@@ -1,0 +1,163 @@
+"""Length-aware ordering policies: SJF, LFS, FPTAS plan, Infinite Sampling (FPTAS + SJF) and Seer.
+
+Each ranks the same waiting queue with a `LengthPredictor` (`predictors.py`). None of them drops or shortens a
+sample: they only choose which pending sample takes a free slot. Samples whose predictor still needs its first k
+tokens are probed first (they decode k+1 tokens, return to the queue with their KV kept, then get a prediction).
+"""
+
+from __future__ import annotations
+
+from ..sequence import Sequence
+from .base import SchedulePolicy, SchedulerView
+from .fptas import fptas_partition
+from .predictors import GroupPredictor, LengthPredictor, make_predictor
+from .registry import register_scheduler
+
+
+class LengthAwarePolicy(SchedulePolicy):
+    """Options: `predictor` (a `LengthPredictor`, shared across calls so it keeps learning) or `length_predictor`
+    (name / callable) with `prefix_k`; `num_slots` (g) for plans; `fptas_epsilon`."""
+
+    def __init__(self, predictor: LengthPredictor | None = None, **options) -> None:
+        super().__init__(**options)
+        self.predictor = predictor or make_predictor(options.get("length_predictor", "none"),
+                                                     options.get("prefix_k", 16))
+
+    # -- helpers
+    def probing(self, seq: Sequence) -> bool:
+        """Still decoding the prefix its predictor needs (the k tokens, plus the one whose input is token k)."""
+        k = self.predictor.prefix_k
+        return k is not None and seq.num_generated <= k and not self.predictor.has_estimate(seq)
+
+    def remaining(self, seq: Sequence) -> float:
+        return self.predictor.estimate(seq) - seq.num_generated
+
+    def chunk_limit(self, seq: Sequence) -> int | None:
+        """A run that started inside the prefix stops after token k+1 (the hidden state at token k is then known),
+        so the sample is ranked again with its prediction; its k+1 tokens and KV are kept."""
+        k = self.predictor.prefix_k
+        return k + 1 if k is not None and seq.chunk_start <= k else None
+
+    def split_probes(self, waiting: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        probes = [s for s in waiting if self.probing(s)]
+        probes.sort(key=lambda s: (s.group_id, s.sample_idx))
+        ids = {id(s) for s in probes}
+        return probes, [s for s in waiting if id(s) not in ids]
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.predictor.observe(seq)
+
+    def strict(self) -> bool:
+        return False  # a shorter job may pass one that does not fit the free blocks
+
+
+@register_scheduler("sjf")
+class SJFPolicy(LengthAwarePolicy):
+    """Shortest (predicted remaining) job first (Infinite Sampling, Alg. 3)."""
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        probes, rest = self.split_probes(view.waiting)
+        return probes + sorted(rest, key=lambda s: (self.remaining(s), s.group_id, s.sample_idx))
+
+
+@register_scheduler("lfs")
+class LFSPolicy(LengthAwarePolicy):
+    """Longest (predicted total) first: long samples start early, short ones fill around them at the end."""
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        probes, rest = self.split_probes(view.waiting)
+        return probes + sorted(rest, key=lambda s: (-self.predictor.estimate(s), s.group_id, s.sample_idx))
+
+
+@register_scheduler("fptas")
+class FPTASPolicy(LengthAwarePolicy):
+    """Static plan (Alg. 2): the pending samples are split into `num_slots` bins of balanced predicted length (made
+    once every pending sample has its prediction); each slot runs its own bin's samples one after another, in plan
+    order, and idles when its bin is empty (the "FPTAS only" ablation of Infinite Sampling's Table 2)."""
+
+    steal = False
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.num_slots = options.get("num_slots")
+        self.eps = options.get("fptas_epsilon", 0.1)
+        self.num_bins = 0
+
+    def plan(self, waiting: list[Sequence]) -> None:
+        if self.num_bins or not waiting or any(self.probing(s) for s in waiting):
+            return
+        self.num_bins = min(self.num_slots or len(waiting), len(waiting))
+        costs = [max(1.0, self.remaining(s)) for s in waiting]
+        plan, _ = fptas_partition(costs, self.num_bins, self.eps)
+        for b, items in enumerate(plan):
+            for pos, i in enumerate(items):
+                waiting[i].extra["plan"] = (b, pos)
+                waiting[i].extra["slot"] = b
+
+    def pick(self, own: list[Sequence]) -> Sequence:
+        return min(own, key=lambda s: s.extra["plan"][1])
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        self.plan(view.waiting)
+        probes, rest = self.split_probes(view.waiting)
+        if not self.num_bins:
+            return probes + sorted(rest, key=lambda s: (s.group_id, s.sample_idx))
+        busy = {s.extra.get("slot") for s in view.running}
+        pending: dict[int, list[Sequence]] = {}
+        for s in rest:
+            pending.setdefault(s.extra["plan"][0] if "plan" in s.extra else -1, []).append(s)
+        picks: list[Sequence] = list(pending.pop(-1, []))  # submitted after the plan: any free slot
+        taken: set[int] = set()
+        for b in range(self.num_bins):
+            if b in busy:
+                continue
+            own = [s for s in pending.get(b, []) if id(s) not in taken]
+            if own:
+                seq = self.pick(own)
+            elif self.steal:
+                pool = [s for ss in pending.values() for s in ss if id(s) not in taken]
+                if not pool:
+                    continue
+                seq = min(pool, key=lambda s: (self.remaining(s), s.group_id, s.sample_idx))
+            else:
+                continue
+            seq.extra["next_slot"] = b
+            taken.add(id(seq))
+            picks.append(seq)
+        return probes + picks
+
+    def on_step(self, view: SchedulerView) -> None:
+        for s in view.running:  # commit the slot a sample was admitted into
+            if s.extra.get("slot_order") != s.admit_order and "next_slot" in s.extra:
+                s.extra["slot"] = s.extra.pop("next_slot")
+                s.extra["slot_order"] = s.admit_order
+
+
+@register_scheduler("infinite")
+class InfinitePolicy(FPTASPolicy):
+    """Two-stage plan (Alg. 1): the FPTAS bins fill the slots; a freed slot takes the shortest predicted job of its
+    own bin, and once its bin is empty the shortest pending job of any bin (SJF refill, Alg. 3), so early finishes
+    and mispredictions are absorbed at run time."""
+
+    steal = True
+
+    def pick(self, own: list[Sequence]) -> Sequence:
+        return min(own, key=lambda s: (self.remaining(s), s.group_id, s.sample_idx))
+
+
+@register_scheduler("seer")
+class SeerPolicy(LengthAwarePolicy):
+    """Seer's context-aware scheduling (Alg. 1): each group's first sample is a probe, run first, smallest generated
+    length first (SFS); the others go largest group estimate L_g first (LFS), L_g from finished siblings
+    (`max_new_tokens` until one finishes). Pair with `chunk_tokens` for divided rollout."""
+
+    def __init__(self, **options) -> None:
+        options["predictor"] = GroupPredictor()  # Seer's estimate is the group's own, learnt within the call
+        super().__init__(**options)
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        spec = [s for s in view.waiting if s.sample_idx == 0]
+        rest = [s for s in view.waiting if s.sample_idx != 0]
+        spec.sort(key=lambda s: (s.num_generated, s.group_id))
+        rest.sort(key=lambda s: (-self.predictor.estimate(s), -s.num_generated, s.group_id, s.sample_idx))
+        return spec + rest

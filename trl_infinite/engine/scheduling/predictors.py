@@ -1,0 +1,223 @@
+"""Completion-length predictors behind one interface (pure Python + numpy; no torch on the scheduling path).
+
+`predict(seq)` returns the estimated TOTAL completion length of a sample (tokens), or None when the predictor has
+nothing to say yet. `observe(seq)` is called when a sample finishes (its true length is known) so online predictors
+learn. Every prediction that was used is scored against the true length at finish: `mae` is the mean absolute error.
+
+- "oracle": the true length (`seq.forced_length`, or `seq.extra["true_length"]`); benchmarks and the simulator only.
+- "group" (Seer): mean length of the finished siblings of the same prompt; the conservative `max_new_tokens` until one
+  has finished.
+- "prefix" (Infinite Sampling §4): after the first k completion tokens, a regression head on a feature vector of the
+  prompt + prefix. The default features are the policy model's own last hidden state at completion token k (the
+  engine / simulator put it in `seq.extra["prefix_hidden"]`); the head is an online ridge regression on log-length,
+  refitted from the samples that finished. A user callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face
+  sequence-classification model (one regression logit) can replace the head. The k tokens are kept: decoding resumes
+  at k+1. Before the head has seen `min_train` finished samples it falls back to the "group" estimate.
+- "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from ..sequence import Sequence
+
+PREDICTORS: dict[str, type] = {}
+
+
+def register_predictor(name: str):
+    def wrap(cls):
+        cls.name = name
+        PREDICTORS[name] = cls
+        return cls
+
+    return wrap
+
+
+class LengthPredictor:
+    """Base class. `prefix_k` is the number of completion tokens a sample must have before `predict` can answer
+    (None = it answers from the start); `wants_hidden` asks the executor for the hidden state at token k."""
+
+    name = "base"
+    prefix_k: int | None = None
+    wants_hidden: bool = False
+
+    def __init__(self) -> None:
+        self.abs_errors: list[float] = []
+
+    def predict(self, seq: Sequence) -> float | None:
+        return None
+
+    def observe(self, seq: Sequence) -> None:
+        """A sample finished: score the prediction it was scheduled with, then learn from it."""
+        pred = seq.extra.get("pred_len")
+        if pred is not None and seq.extra.get("pred_source") == self.name:
+            self.abs_errors.append(abs(pred - seq.num_generated))
+
+    @property
+    def mae(self) -> float | None:
+        return sum(self.abs_errors) / len(self.abs_errors) if self.abs_errors else None
+
+    def estimate(self, seq: Sequence) -> float:
+        """The cached prediction (computed once it is available), else `max_new_tokens` (conservative)."""
+        pred = seq.extra.get("pred_len")
+        if pred is None or seq.extra.get("pred_source") != self.name:
+            new = self.predict(seq)
+            if new is not None:
+                seq.extra["pred_len"], seq.extra["pred_source"] = float(new), self.name
+                pred = float(new)
+        return max(float(seq.num_generated), pred if pred is not None else float(seq.max_new_tokens))
+
+    def has_estimate(self, seq: Sequence) -> bool:
+        self.estimate(seq)
+        return seq.extra.get("pred_source") == self.name
+
+
+@register_predictor("none")
+class NoPredictor(LengthPredictor):
+    pass
+
+
+@register_predictor("oracle")
+class OraclePredictor(LengthPredictor):
+    def predict(self, seq: Sequence) -> float | None:
+        true = seq.extra.get("true_length", seq.forced_length)
+        return None if true is None else float(min(true, seq.max_new_tokens))
+
+
+@register_predictor("group")
+class GroupPredictor(LengthPredictor):
+    """Seer's group-level estimate L_g: mean finished sibling length (updated as siblings finish)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished: dict[int, list[int]] = {}
+
+    def predict(self, seq: Sequence) -> float | None:
+        done = self.finished.get(seq.group_id)
+        return sum(done) / len(done) if done else None
+
+    def estimate(self, seq: Sequence) -> float:
+        new = self.predict(seq)  # L_g moves as siblings finish: never cached
+        if new is not None:
+            seq.extra["pred_len"], seq.extra["pred_source"] = new, self.name
+        return max(float(seq.num_generated), new if new is not None else float(seq.max_new_tokens))
+
+    def observe(self, seq: Sequence) -> None:
+        super().observe(seq)
+        self.finished.setdefault(seq.group_id, []).append(seq.num_generated)
+
+
+class OnlineRidge:
+    """Ridge regression y ~ w.x + b refitted in closed form from all observations (numpy; d is the hidden size)."""
+
+    def __init__(self, l2: float = 1.0):
+        self.l2 = l2
+        self.xs: list[np.ndarray] = []
+        self.ys: list[float] = []
+        self.w: np.ndarray | None = None
+        self._dirty = False
+
+    def add(self, x, y: float) -> None:
+        self.xs.append(np.asarray(x, dtype=np.float64).ravel())
+        self.ys.append(float(y))
+        self._dirty = True
+
+    def fit(self) -> None:
+        X = np.stack(self.xs)  # [n, d]
+        self.mean, self.std = X.mean(0), X.std(0) + 1e-6
+        Z = np.concatenate([(X - self.mean) / self.std, np.ones((len(X), 1))], axis=1)  # [n, d+1]
+        y = np.asarray(self.ys)
+        reg = self.l2 * np.eye(Z.shape[1])
+        reg[-1, -1] = 0.0  # no penalty on the bias
+        if Z.shape[0] < Z.shape[1]:  # dual form: (Z Z^T + l2 I)^-1 is n x n
+            alpha = np.linalg.solve(Z @ Z.T + self.l2 * np.eye(len(Z)), y - y.mean())
+            self.w = Z.T @ alpha
+            self.w[-1] += y.mean()
+        else:
+            self.w = np.linalg.solve(Z.T @ Z + reg, Z.T @ y)
+        self._dirty = False
+
+    def __call__(self, x) -> float:
+        if self._dirty or self.w is None:
+            self.fit()
+        z = (np.asarray(x, dtype=np.float64).ravel() - self.mean) / self.std
+        return float(z @ self.w[:-1] + self.w[-1])
+
+    def __len__(self) -> int:
+        return len(self.ys)
+
+
+@register_predictor("prefix")
+class PrefixPredictor(LengthPredictor):
+    """Length from the prompt + first k completion tokens (see module docstring)."""
+
+    wants_hidden = True
+
+    def __init__(self, k: int = 16, fn: Callable | None = None, min_train: int = 8, l2: float = 10.0):
+        super().__init__()
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"`prefix_predictor_k` must be an integer >= 1, got {k!r}.")
+        self.prefix_k = k
+        self.fn = _wrap_user_predictor(fn) if fn is not None else None
+        self.wants_hidden = fn is None
+        self.head = OnlineRidge(l2)
+        self.min_train = min_train
+        self.fallback = GroupPredictor()
+
+    def predict(self, seq: Sequence) -> float | None:
+        if seq.num_generated < self.prefix_k:
+            return None
+        if self.fn is not None:
+            return self.fn(list(seq.group.prompt_ids), list(seq.output_ids[: self.prefix_k]))
+        feat = seq.extra.get("prefix_hidden")
+        if feat is None or len(self.head) < self.min_train:
+            return None
+        return float(min(seq.max_new_tokens, max(self.prefix_k, math.exp(self.head(feat)))))
+
+    def estimate(self, seq: Sequence) -> float:
+        est = super().estimate(seq)
+        if seq.extra.get("pred_source") != self.name:
+            est = self.fallback.estimate(seq)  # the fallback caches under its own name
+        return est
+
+    def observe(self, seq: Sequence) -> None:
+        super().observe(seq)
+        self.fallback.observe(seq)
+        feat = seq.extra.get("prefix_hidden")
+        if self.fn is None and feat is not None:
+            self.head.add(feat, math.log(max(1, seq.num_generated)))
+
+
+def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
+    """A callable `fn(prompt_ids, prefix_ids) -> length`, or an HF sequence-classification model (regression)."""
+    if hasattr(fn, "config") and hasattr(fn, "forward"):
+        model = fn
+
+        def run(prompt_ids: list[int], prefix_ids: list[int]) -> float:
+            import torch
+
+            with torch.no_grad():
+                ids = torch.tensor([prompt_ids + prefix_ids], device=next(model.parameters()).device)
+                return float(model(input_ids=ids).logits.reshape(-1)[0])
+
+        return run
+    if not callable(fn):
+        raise ValueError("`length_predictor` must be a name, a callable (prompt_ids, prefix_ids) -> length, or a "
+                         "sequence-classification model.")
+    return fn
+
+
+def make_predictor(spec, k: int = 16) -> LengthPredictor:
+    """`spec`: a registered name, a `LengthPredictor`, a callable or a sequence-classification model."""
+    if isinstance(spec, LengthPredictor):
+        return spec
+    if isinstance(spec, str):
+        if spec not in PREDICTORS:
+            raise ValueError(f"`length_predictor` must be one of {sorted(PREDICTORS)}, a callable or a model, "
+                             f"got {spec!r}.")
+        return PREDICTORS[spec](k=k) if spec == "prefix" else PREDICTORS[spec]()
+    return PrefixPredictor(k=k, fn=spec)

@@ -1,0 +1,152 @@
+"""Replay length traces through exactly the engine's `Scheduler` + policies with a trace executor.
+
+The executor plays the model: each decode sample gets one token per step (a fresh sample two: its first token comes
+from the prompt's cached logits, as in the engine), and a sample ends after its traced length (`forced_length`).
+Everything else — admission, block accounting, preemption, divided rollout, the policies — is the engine's code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.block_manager import BlockAllocator, blocks_for
+from ..engine.scheduler import ScheduledBatch, Scheduler
+from ..engine.scheduling.factory import build_policies, build_predictor
+from ..engine.scheduling.predictors import LengthPredictor
+from ..engine.sequence import Group, Sequence
+from ..utils.traces import TraceRecord
+
+
+@dataclass
+class SimConfig:
+    sampling_mode: str = "fixed_slot"
+    scheduler: str = "fifo"
+    batch_policy: str = "static"
+    slots: int = 4  # g
+    prompts_per_call: int = 1  # B: prompts per `generate` call (the paper: 1)
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # None: room for the prompts + `slots` completions of max length
+    chunk_tokens: int | None = None
+    length_predictor: str = "oracle"
+    prefix_k: int = 16
+    fptas_epsilon: float = 0.1
+    max_new_tokens: int | None = None  # None: the trace's own
+
+
+@dataclass
+class SimResult:
+    decode_steps: int = 0
+    tail_steps: int = 0
+    mean_active: float = 0.0
+    peak_kv_blocks: int = 0
+    num_kv_blocks: int = 0
+    preemptions: int = 0
+    offloaded_blocks: int = 0
+    generated_tokens: int = 0
+    num_samples: int = 0
+    lengths_preserved: bool = True
+    prediction_mae: float | None = None
+    per_call_steps: list[int] = field(default_factory=list)
+
+    @property
+    def mean_length(self) -> float:
+        return self.generated_tokens / self.num_samples if self.num_samples else 0.0
+
+
+def step_cost(length: int) -> int:
+    """Decode steps one sample occupies a slot: its first two tokens come out of its first step."""
+    return max(1, length - 1)
+
+
+def oracle_bound(lengths: list[int], slots: int) -> int:
+    """Lower bound on the decode steps of `slots` continuous slots: max(longest sample, total work / slots)."""
+    costs = [step_cost(x) for x in lengths]
+    return max(max(costs), -(-sum(costs) // slots))
+
+
+class TraceExecutor:
+    """Plays the model for one `ScheduledBatch`. `features[(prompt_index, sample_idx)]` (optional) is the hidden
+    state at completion token k, handed to the predictor exactly when the engine would (input token index == k)."""
+
+    def __init__(self, prefix_k: int | None, features: dict | None):
+        self.prefix_k = prefix_k
+        self.features = features or {}
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
+        tokens = []
+        for seq in batch.decode:
+            index = 1 if seq.is_fresh else seq.num_generated  # completion index of this step's input token
+            if index == self.prefix_k:
+                feat = self.features.get((seq.extra["prompt_index"], seq.sample_idx))
+                if feat is not None:
+                    seq.extra["prefix_hidden"] = feat
+            tokens.append([0, 0] if seq.is_fresh else [0])
+        return tokens, [[0.0] * len(t) for t in tokens]
+
+
+def _requests(records: list[TraceRecord], max_new: int) -> tuple[list[Group], list[Sequence]]:
+    groups, seqs = [], []
+    for i, rec in enumerate(records):
+        group = Group(group_id=i, prompt_ids=[0] * rec.prompt_len, num_generations=len(rec.lengths))
+        groups.append(group)
+        for j, n in enumerate(rec.lengths):
+            seq = Sequence(group, j, max_new_tokens=max_new, forced_length=n)
+            seq.extra.update(true_length=min(n, max_new), prompt_index=rec.prompt_index)
+            seqs.append(seq)
+    return groups, seqs
+
+
+def simulate(
+    records: list[TraceRecord],
+    config: SimConfig,
+    predictor: LengthPredictor | None = None,
+    features: dict | None = None,
+) -> SimResult:
+    """Run the trace call by call (B prompts each); the predictor persists across calls, as in training."""
+    predictor = predictor or build_predictor(config.length_predictor, config.prefix_k)
+    out = SimResult()
+    active_sum = 0
+    for start in range(0, len(records), config.prompts_per_call):
+        chunk = records[start : start + config.prompts_per_call]
+        max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
+        groups, seqs = _requests(chunk, max_new)
+        allocator = BlockAllocator(_pool_blocks(chunk, config, max_new), config.block_size)
+        slot_limit = None if config.sampling_mode in ("full_group", "dynamic_slot") else config.slots
+        policy, admission = build_policies(config.scheduler, config.batch_policy, predictor, num_slots=config.slots,
+                                           fptas_epsilon=config.fptas_epsilon)
+        sched = Scheduler(allocator, policy, admission, config.sampling_mode, slot_limit, config.chunk_tokens)
+        sched.submit(groups, seqs)
+        executor = TraceExecutor(getattr(policy.predictor, "prefix_k", None) if hasattr(policy, "predictor")
+                                 else None, features)
+        steps = 0
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            tokens, logprobs = executor.run(batch)
+            if batch.decode:
+                steps += 1
+                if len(sched.finished) >= 0.9 * len(seqs):
+                    out.tail_steps += 1
+            sched.postprocess(batch, tokens, logprobs)
+        c = sched.counters
+        out.per_call_steps.append(steps)
+        out.decode_steps += steps
+        active_sum += c.running_sum
+        out.peak_kv_blocks = max(out.peak_kv_blocks, allocator.peak_used)
+        out.num_kv_blocks = allocator.num_blocks
+        out.preemptions += c.preemptions
+        out.offloaded_blocks += c.offloaded_blocks
+        out.generated_tokens += sum(s.num_generated for s in seqs)
+        out.num_samples += len(seqs)
+        out.lengths_preserved &= all(s.num_generated == s.extra["true_length"] for s in seqs)
+    out.mean_active = active_sum / out.decode_steps if out.decode_steps else 0.0
+    out.prediction_mae = predictor.mae
+    return out
+
+
+def _pool_blocks(chunk: list[TraceRecord], config: SimConfig, max_new: int) -> int:
+    if config.kv_cache_tokens is not None:
+        return blocks_for(config.kv_cache_tokens, config.block_size)
+    prompts = sum(blocks_for(r.prompt_len, config.block_size) for r in chunk)
+    if config.sampling_mode == "full_group":
+        return prompts + sum(len(r.lengths) for r in chunk) * blocks_for(max_new, config.block_size)
+    return prompts + config.slots * blocks_for(max_new, config.block_size)

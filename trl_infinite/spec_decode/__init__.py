@@ -1,0 +1,12 @@
+"""Speculative rollout backend: drafters (registry), lossless verification, adaptive draft lengths."""
+
+from . import best_of_n, draft_model, ngram, suffix  # noqa: F401  (register the built-in drafters)
+from .adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths
+from .drafter import DRAFTERS, Drafter, Proposal, build_drafter, register_drafter
+from .step import SpeculativeStep, Speculator
+from .verify import Verified, verify_greedy, verify_sampling
+
+__all__ = [
+    "DRAFTERS", "AcceptanceTracker", "CostModel", "Drafter", "Proposal", "SpeculativeStep", "Speculator", "Verified",
+    "best_length", "build_drafter", "plan_lengths", "register_drafter", "verify_greedy", "verify_sampling",
+]

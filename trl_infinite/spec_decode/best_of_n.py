@@ -1,0 +1,87 @@
+"""Best-of-N drafting (SpecActor §4.2): several drafters per sample, the one with the best expected tokens per
+unit cost is verified.
+
+Every member keeps its own per-sample acceptance estimate `alpha_m` (decayed Beta counts, see `adaptive.py`). A
+proposal of length L from member m is worth `(1 + E_L(alpha_m)) / (1 + c_m L)` tokens per unit cost (the draft
+ladder: expected emitted tokens over the cost of drafting, `c_m` = member's drafting cost per token relative to a
+target forward). Cheap members (suffix tree, n-gram) propose every step; costly ones (a draft model) only for the
+samples that pick them from their estimates, or for every sample in the tail (batch <= `tail_batch`), where
+spare compute lets tail requests try more than one drafter. After verification every member that proposed is
+scored against the emitted tokens (the length of its proposal's prefix that matches them), so the estimates of
+the members that were not verified improve for free.
+"""
+
+from __future__ import annotations
+
+from ..engine.sequence import Sequence
+from .adaptive import AcceptanceTracker, expected_accepted
+from .drafter import EMPTY, Drafter, Proposal, register_drafter
+from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
+
+
+@register_drafter("best_of_n")
+class BestOfNDrafter(Drafter):
+    name = "best_of_n"
+
+    def __init__(self, draft_model=None, tail_batch: int = 4, **kwargs):
+        super().__init__()
+        self.members: list[Drafter] = [SuffixDrafter(), NgramDrafter()]
+        if draft_model is not None:
+            from .draft_model import DraftModelDrafter
+
+            self.members.append(DraftModelDrafter(draft_model=draft_model, **kwargs))
+        self.tail_batch = tail_batch
+        self.tracker = AcceptanceTracker()
+        self.pending: dict[int, list[tuple[int, list[int]]]] = {}  # seq -> [(member, proposal)] awaiting scoring
+        self.chosen: dict[str, int] = {m.name: 0 for m in self.members}
+
+    def _start(self, seq: Sequence) -> None:
+        for m in self.members:
+            m.start(seq)
+
+    def update(self, seq: Sequence, tokens: list[int]) -> None:
+        for mi, draft in self.pending.pop(seq.seq_id, []):
+            matched = 0
+            while matched < min(len(draft), len(tokens)) and draft[matched] == tokens[matched]:
+                matched += 1
+            self.tracker.observe((seq.seq_id, mi), len(draft), matched)
+        for m in self.members:
+            m.update(seq, tokens)
+
+    def _value(self, seq: Sequence, mi: int, length: int) -> float:
+        alpha = self.tracker.alpha((seq.seq_id, mi))
+        return (1.0 + expected_accepted(alpha, length)) / (1.0 + self.members[mi].cost_per_token * length)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        tail = len(seqs) <= self.tail_batch
+        by_member: list[list[Proposal]] = []
+        for mi, m in enumerate(self.members):
+            if m.cost_per_token == 0 or tail:
+                by_member.append(m.propose(seqs, ks))
+                continue
+            # a costly member drafts only for samples whose estimate says it beats every cheap one
+            want = [k if k > 0 and self._prefers(s, mi, k) else 0 for s, k in zip(seqs, ks)]
+            by_member.append(m.propose(seqs, want) if any(want) else [EMPTY] * len(seqs))
+        out = []
+        for i, s in enumerate(seqs):
+            options = [(self._value(s, mi, len(p[i].tokens)), mi) for mi, p in enumerate(by_member) if p[i].tokens]
+            if not options:
+                out.append(EMPTY)
+                continue
+            best = max(options)[1]
+            self.chosen[self.members[best].name] += 1
+            self.pending[s.seq_id] = [(mi, by_member[mi][i].tokens) for _, mi in options]
+            out.append(by_member[best][i])
+        return out
+
+    def _prefers(self, seq: Sequence, mi: int, k: int) -> bool:
+        return all(self._value(seq, mi, k) >= self._value(seq, j, k) for j in range(len(self.members)) if j != mi)
+
+    def stop(self, seq: Sequence) -> None:
+        super().stop(seq)
+        self.pending.pop(seq.seq_id, None)
+        for m in self.members:
+            m.stop(seq)
+        for mi in range(len(self.members)):
+            self.tracker.forget((seq.seq_id, mi))

@@ -1,0 +1,123 @@
+"""Draft-model drafting: a small causal LM sharing the tokenizer, with its own paged KV pool.
+
+Each sample keeps its whole context (prompt + completion) in its own blocks of the draft pool. `propose` first runs
+the not-yet-cached context through the draft model (catch-up), then decodes k tokens one forward at a time, all
+samples batched. Draft tokens are sampled from the draft's processed distribution `q` (same temperature / top-k /
+top-p / min-p as the target, so `q` is close to `p`) with the counter-based stream `STREAM_DRAFT`, and `q` is
+returned so verification can use `min(1, p/q)` with the residual `(p - q)_+`.
+After verification, the KV of drafts that were accepted stays valid; the rest is overwritten by the next catch-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.attention import Segment
+from ..engine.config import EngineConfig, SamplingParams
+from ..engine.kv_pool import KVCachePool
+from ..engine.model_runner import ModelRunner, last_rows
+from ..engine.sampler import Sampler, row_keys
+from ..engine.sequence import Sequence
+from .drafter import EMPTY, Drafter, Proposal, register_drafter
+
+STREAM_DRAFT = 3
+
+
+def load_draft_model(spec, device: torch.device) -> torch.nn.Module:
+    """`spec` is an `nn.Module` or a local path/name for `AutoModelForCausalLM.from_pretrained`."""
+    if isinstance(spec, torch.nn.Module):
+        return spec.to(device).eval()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec).to(device).eval()
+
+
+class _State:
+    __slots__ = ("ctx", "blocks", "cached", "drafts")
+
+    def __init__(self, ctx: list[int]):
+        self.ctx, self.blocks, self.cached, self.drafts = ctx, [], 0, []
+
+
+@register_drafter("draft_model")
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+    cost_per_token = 0.2  # relative to a target decode forward; refined by the engine's cost model via acceptance
+
+    def __init__(self, config: EngineConfig, device: torch.device, sampling: SamplingParams, draft_model, **_):
+        super().__init__()
+        tokens = config.kv_cache_tokens or config.default_cpu_kv_tokens
+        pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=config.block_size,
+                                attention_backend=config.attention_backend)
+        dtype = next(draft_model.parameters()).dtype
+        self.pool = KVCachePool(draft_model.config, pool_cfg, dtype=dtype, device=device)
+        self.runner = ModelRunner(draft_model, self.pool, config.attention_backend)
+        self.sampler = Sampler(sampling)
+        self.seed = sampling.seed
+        self.device = device
+        self.states: dict[int, _State] = {}
+
+    def _start(self, seq: Sequence) -> None:
+        self.states[seq.seq_id] = _State(seq.group.prompt_ids + seq.output_ids)
+
+    def update(self, seq: Sequence, tokens: list[int]) -> None:
+        st = self.states[seq.seq_id]
+        if st.drafts:  # KV of d_1..d_{k-1} was written after ctx; keep the part the emitted tokens confirm
+            match = 0
+            while match < min(len(tokens), len(st.drafts) - 1) and tokens[match] == st.drafts[match]:
+                match += 1
+            st.cached = min(st.cached, len(st.ctx)) + match
+            st.drafts = []
+        st.ctx.extend(tokens)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        out = [EMPTY] * len(seqs)
+        todo = [i for i, k in enumerate(ks) if k > 0 and self._reserve(self.states[seqs[i].seq_id], ks[i])]
+        if not todo:
+            return out
+        states = [self.states[seqs[i].seq_id] for i in todo]
+        drafts: list[list[int]] = [[] for _ in todo]
+        qs: list[list[torch.Tensor]] = [[] for _ in todo]
+        for r in range(max(ks[i] for i in todo)):
+            rows = [j for j, i in enumerate(todo) if ks[i] > r]
+            segs = [self._segment(states[j], drafts[j]) for j in rows]
+            logits, _ = self.runner.forward(segs, last_rows(segs))
+            q = self.sampler.process(logits)  # [R, V]
+            pos = torch.tensor([len(states[j].ctx) + r for j in rows], device=self.device)
+            keys = row_keys(self.seed, *self._ids([seqs[todo[j]] for j in rows]), pos, STREAM_DRAFT)
+            toks, _ = self.sampler.sample(q, keys)
+            for j, t, q_row in zip(rows, toks.tolist(), q):
+                drafts[j].append(t)
+                qs[j].append(q_row)
+                states[j].cached = len(states[j].ctx) + r  # KV now covers ctx + d_1..d_r (d_{r+1} not fed yet)
+        for j, i in enumerate(todo):
+            states[j].drafts = drafts[j]
+            out[i] = Proposal(drafts[j], torch.stack(qs[j]))
+        return out
+
+    def _ids(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([s.group_id for s in seqs], device=self.device),
+                torch.tensor([s.sample_idx for s in seqs], device=self.device))
+
+    @staticmethod
+    def _segment(st: _State, drafts: list[int]) -> Segment:
+        """Round 0: the uncached context; round r: the previous draft token."""
+        if not drafts:
+            start = min(st.cached, len(st.ctx) - 1)  # at least the last token, whose logits draft d_1
+            return Segment(0, [], st.blocks, start, st.ctx[start:])
+        return Segment(0, [], st.blocks, len(st.ctx) + len(drafts) - 1, drafts[-1:])
+
+    def _reserve(self, st: _State, k: int) -> bool:
+        bs = self.pool.block_size
+        need = -(-(len(st.ctx) + k) // bs) - len(st.blocks)
+        if need > 0:
+            if not self.pool.allocator.can_allocate(need):
+                return False
+            st.blocks.extend(self.pool.allocator.allocate(need))
+        return True
+
+    def stop(self, seq: Sequence) -> None:
+        super().stop(seq)
+        st = self.states.pop(seq.seq_id, None)
+        if st is not None and st.blocks:
+            self.pool.allocator.free(st.blocks)

@@ -1,0 +1,80 @@
+"""The drafter protocol and its registry.
+
+A drafter sees each sample through four calls: `start(seq)` when the sample first decodes (its context is
+`prompt_ids + output_ids`), `update(seq, tokens)` with every token the sample emits from then on, `propose(seqs, ks)`
+for up to `ks[i]` draft tokens per sample, and `stop(seq)` when it finished. Drafts are proposals only: verification
+decides what is emitted, so a drafter can never change the output distribution, only the speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sample; `logprobs` [len(tokens), V] is the draft distribution q they were drawn from
+    (None for deterministic drafters, where q is a point mass)."""
+
+    tokens: list[int]
+    logprobs: torch.Tensor | None = None
+
+
+EMPTY = Proposal([])
+
+
+class Drafter:
+    """Base class: bookkeeping of started samples; subclasses implement `_start`, `update`, `propose`."""
+
+    name = "base"
+    cost_per_token = 0.0  # drafting cost of one token relative to one target decode forward (draft ladder input)
+
+    def __init__(self) -> None:
+        self.active: dict[int, Sequence] = {}
+
+    def start(self, seq: Sequence) -> None:
+        self.active[seq.seq_id] = seq
+        self._start(seq)
+
+    def started(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.active
+
+    def _start(self, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    def update(self, seq: Sequence, tokens: list[int]) -> None:
+        """`tokens` were appended to the sample's context."""
+        raise NotImplementedError
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Up to `ks[i]` draft tokens continuing sample i's context (a sample with k = 0 gets `EMPTY`)."""
+        raise NotImplementedError
+
+    def stop(self, seq: Sequence) -> None:
+        self.active.pop(seq.seq_id, None)
+
+
+DrafterFactory = Callable[..., Drafter]
+DRAFTERS: dict[str, DrafterFactory] = {}
+
+
+def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    """Register a drafter class/factory under `name` (usable as `EngineConfig.speculative_method`).
+    The factory is called as `factory(config=EngineConfig, device=torch.device, **extras)`."""
+
+    def deco(factory: DrafterFactory) -> DrafterFactory:
+        DRAFTERS[name] = factory
+        return factory
+
+    return deco
+
+
+def build_drafter(name: str, **kwargs) -> Drafter:
+    if name not in DRAFTERS:
+        raise ValueError(f"`speculative_method` must be one of {sorted(DRAFTERS)}, got {name!r}.")
+    return DRAFTERS[name](**kwargs)

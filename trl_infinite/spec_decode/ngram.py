@@ -1,0 +1,53 @@
+"""Prompt-lookup drafting: continue the latest earlier occurrence of the context's last n-gram."""
+
+from __future__ import annotations
+
+from ..engine.sequence import Sequence
+from .drafter import EMPTY, Drafter, Proposal, register_drafter
+
+
+@register_drafter("ngram")
+class NgramDrafter(Drafter):
+    """For n from `max_n` down to `min_n`, find the latest earlier position where the sample's last n tokens
+    (prompt + completion) occurred and propose the tokens that followed. Tables are updated incrementally: the
+    n-gram ending at index j is indexed (-> j) once token j exists, so a hit always has a continuation."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 2, **_):
+        super().__init__()
+        self.max_n, self.min_n = max_n, min_n
+        self.ctx: dict[int, list[int]] = {}
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {}
+
+    def _start(self, seq: Sequence) -> None:
+        self.ctx[seq.seq_id] = []
+        self.tables[seq.seq_id] = {}
+        self.update(seq, seq.group.prompt_ids + seq.output_ids)
+
+    def update(self, seq: Sequence, tokens: list[int]) -> None:
+        ctx, table = self.ctx[seq.seq_id], self.tables[seq.seq_id]
+        for t in tokens:
+            j = len(ctx)
+            for n in range(self.min_n, self.max_n + 1):
+                if j >= n:
+                    table[tuple(ctx[j - n : j])] = j
+            ctx.append(t)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [self._one(s, k) if k > 0 else EMPTY for s, k in zip(seqs, ks)]
+
+    def _one(self, seq: Sequence, k: int) -> Proposal:
+        ctx, table = self.ctx[seq.seq_id], self.tables[seq.seq_id]
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(ctx) < n:
+                continue
+            j = table.get(tuple(ctx[-n:]))
+            if j is not None:
+                return Proposal(ctx[j : j + k])
+        return EMPTY
+
+    def stop(self, seq: Sequence) -> None:
+        super().stop(seq)
+        self.ctx.pop(seq.seq_id, None)
+        self.tables.pop(seq.seq_id, None)

@@ -1,0 +1,108 @@
+"""Grouped suffix-tree drafting (Seer §4.6, SuffixDecoding): one tree per prompt group over the prompt and every
+sibling completion, in flight and finished, updated incrementally as tokens are emitted.
+
+The tree is a depth-limited suffix trie: node `v` at depth d stands for a d-token string s, `v.count` is how many
+times s occurred in the group's texts, and `v.children[t]` is the node of `s + [t]`. Each text keeps the list of
+nodes of its suffixes of length 0..D (`active[d]` = node of its last d tokens), so appending a token costs O(D):
+every active node steps to (and counts) its child. A sample's deepest active node that has children is the longest
+earlier match of its own context; from there the draft follows the most frequent child while the path's confidence
+`prod_i count(child_i) / sum count(children of node_i)` stays above `min_confidence`.
+"""
+
+from __future__ import annotations
+
+from ..engine.sequence import Sequence
+from .drafter import EMPTY, Drafter, Proposal, register_drafter
+
+
+class _Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+
+
+def _extend(root: _Node, active: list[_Node], token: int, max_depth: int) -> list[_Node]:
+    """Insert `token` after the suffixes in `active` (depths 0..); returns the new active list."""
+    new = [root]
+    for node in active[:max_depth]:
+        child = node.children.get(token)
+        if child is None:
+            child = node.children[token] = _Node()
+        child.count += 1
+        new.append(child)
+    return new
+
+
+class _GroupTree:
+    def __init__(self, prompt: list[int], max_depth: int):
+        self.root = _Node()
+        self.max_depth = max_depth
+        self.prompt_active = [self.root]
+        for t in prompt:
+            self.prompt_active = _extend(self.root, self.prompt_active, t, max_depth)
+        self.stopped = 0
+
+
+@register_drafter("suffix")
+class SuffixDrafter(Drafter):
+    """Frequency-scored drafts from the group's shared suffix trie (prompt + all sibling completions)."""
+
+    name = "suffix"
+
+    def __init__(self, max_depth: int = 24, min_confidence: float = 0.1, min_match: int = 1, **_):
+        super().__init__()
+        self.max_depth, self.min_confidence, self.min_match = max_depth, min_confidence, min_match
+        self.trees: dict[int, _GroupTree] = {}
+        self.active_nodes: dict[int, list[_Node]] = {}
+
+    def _tree(self, seq: Sequence) -> _GroupTree:
+        tree = self.trees.get(seq.group_id)
+        if tree is None:
+            tree = self.trees[seq.group_id] = _GroupTree(seq.group.prompt_ids, self.max_depth)
+        return tree
+
+    def _start(self, seq: Sequence) -> None:
+        self.active_nodes[seq.seq_id] = list(self._tree(seq).prompt_active)  # the prompt is in the tree once
+        self.update(seq, seq.output_ids)
+
+    def update(self, seq: Sequence, tokens: list[int]) -> None:
+        root, active = self.trees[seq.group_id].root, self.active_nodes[seq.seq_id]
+        for t in tokens:
+            active = _extend(root, active, t, self.max_depth)
+        self.active_nodes[seq.seq_id] = active
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [self._one(s, k) if k > 0 else EMPTY for s, k in zip(seqs, ks)]
+
+    def _one(self, seq: Sequence, k: int) -> Proposal:
+        active = self.active_nodes[seq.seq_id]
+        for depth in range(len(active) - 1, self.min_match - 1, -1):
+            node = active[depth]
+            if node.children:
+                tokens = self._walk(node, k)
+                if tokens:
+                    return Proposal(tokens)
+        return EMPTY
+
+    def _walk(self, node: _Node, k: int) -> list[int]:
+        tokens, confidence = [], 1.0
+        while len(tokens) < k and node.children:
+            total = sum(c.count for c in node.children.values())
+            token, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            confidence *= child.count / total
+            if confidence < self.min_confidence:
+                break
+            tokens.append(token)
+            node = child
+        return tokens
+
+    def stop(self, seq: Sequence) -> None:
+        super().stop(seq)
+        self.active_nodes.pop(seq.seq_id, None)
+        tree = self.trees.get(seq.group_id)
+        if tree is not None:
+            tree.stopped += 1  # the finished completion stays in the tree for its running siblings
+            if tree.stopped == seq.group.num_generations:
+                del self.trees[seq.group_id]

@@ -1,0 +1,110 @@
+"""Micro batches for the backward pass: completions of similar length together, each padded to its own longest.
+
+TRL pads the whole generation batch to its longest completion and splits it at random, so every micro batch costs as
+much as the longest sample. Here rows are sorted by length, split into the same number of equal-size micro batches,
+and each micro batch is trimmed to its own longest prompt (left padding) and completion (right padding). For every
+loss whose normaliser does not depend on the split (`grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`)
+the accumulated gradient is unchanged. `bnpo` averages tokens per micro batch, so it keeps TRL's random split (only
+the padding is trimmed, which does not change it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPLIT_INVARIANT_LOSSES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+# [B, C] tensors aligned with the completion (right padded) and [B, P] ones aligned with the prompt (left padded)
+_COMPLETION_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "sampling_per_token_logps",
+    "tool_mask",
+)
+_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+_FULL_KEYS = ("token_type_ids", "mm_token_type_ids")  # [B, P + C]
+
+
+def length_order(batch: dict, sort_by_length: bool) -> torch.Tensor:
+    """Row permutation: by completion length (similar lengths share a micro batch), or random like TRL."""
+    mask = batch["completion_mask"]
+    if not sort_by_length:
+        return torch.randperm(mask.size(0))
+    lengths = mask.sum(dim=1).cpu()
+    return torch.argsort(lengths, descending=True, stable=True)
+
+
+def permute_rows(batch: dict, perm: torch.Tensor) -> dict:
+    """Applies a row permutation to every per-row entry (tensors with a batch dim and lists); scalars pass."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            out[key] = value[perm.to(value.device)]
+        elif isinstance(value, list):
+            out[key] = [value[i] for i in perm.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+def split_rows(batch: dict, num_chunks: int) -> list[dict]:
+    """`num_chunks` equal consecutive slices of rows (scalars shared)."""
+    n = batch["completion_mask"].size(0)
+    size = n // num_chunks
+    chunks = []
+    for c in range(num_chunks):
+        rows = slice(c * size, (c + 1) * size)
+        chunks.append(
+            {
+                k: (v[rows] if (isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim >= 1)) else v)
+                for k, v in batch.items()
+            }
+        )
+    return chunks
+
+
+def _round_up(n: int, multiple: int | None, limit: int) -> int:
+    return min(limit, -(-n // multiple) * multiple) if multiple else n
+
+
+def trim_padding(batch: dict, multiple: int | None = None) -> dict:
+    """Drops padding columns no row of this micro batch uses: leading prompt columns, trailing completion ones
+    (keeping widths multiples of `multiple`, TRL's `pad_to_multiple_of`, when set)."""
+    prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_mask"]
+    P, C = prompt_mask.size(1), completion_mask.size(1)
+    used_p = prompt_mask.any(dim=0).nonzero()
+    first = P - _round_up(P - (int(used_p[0]) if used_p.numel() else P), multiple, P)
+    used_c = completion_mask.any(dim=0).nonzero()
+    keep = _round_up(int(used_c[-1]) + 1 if used_c.numel() else 1, multiple, C)
+    if first == 0 and keep == C:
+        return batch
+    out = dict(batch)
+    for key in _PROMPT_KEYS:
+        out[key] = batch[key][:, first:]
+    for key in _COMPLETION_KEYS:
+        v = batch.get(key)
+        if isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == C:
+            out[key] = v[:, :keep]
+    ratio = batch.get("importance_sampling_ratio")
+    if isinstance(ratio, torch.Tensor) and ratio.ndim == 2 and ratio.size(1) == C:
+        out["importance_sampling_ratio"] = ratio[:, :keep]
+    for key in _FULL_KEYS:
+        v = batch.get(key)
+        if isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == P + C:
+            out[key] = v[:, first : P + keep]
+    return out
+
+
+def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: int | None = None) -> list[dict]:
+    """The generation batch as `num_chunks` micro batches of equal row count, each padded to its own longest.
+
+    Split-invariant losses get length-sorted micro batches in random order (so, with several optimizer steps per
+    generation, no step sees only short or only long completions); `bnpo` and unknown losses keep TRL's random split.
+    """
+    sort = loss_type in SPLIT_INVARIANT_LOSSES
+    chunks = split_rows(permute_rows(batch, length_order(batch, sort)), num_chunks)
+    if sort:
+        chunks = [chunks[i] for i in torch.randperm(num_chunks).tolist()]
+    return [trim_padding(c, multiple) for c in chunks]

@@ -1,0 +1,110 @@
+"""`InfiniteGRPOConfig`: TRL's `GRPOConfig` plus the rollout engine's settings, all prefixed `rollout_`.
+
+Every `rollout_<name>` field maps one-to-one onto `EngineConfig.<name>` (see `engine_config_from_args`), so adding an
+engine setting to the trainer is one field here. Validation is the engine's own, with the error naming the
+`rollout_` field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, dataclass, field, fields
+
+from trl import GRPOConfig
+
+from ..engine.config import ATTENTION_BACKENDS, SAMPLING_MODES, EngineConfig
+
+PREFIX = "rollout_"
+
+
+def _default(name: str):
+    """The engine's own default, so the trainer and the engine never drift apart."""
+    f = EngineConfig.__dataclass_fields__[name]
+    return f.default if f.default is not MISSING else f.default_factory()
+
+
+@dataclass
+class InfiniteGRPOConfig(GRPOConfig):
+    """`GRPOConfig` with the rollout engine's settings. Every TRL field keeps its meaning; the defaults run the
+    engine on its fast path (`fixed_slot` continuous batching, each prompt prefilled once for its G samples).
+
+    KV budget (one budget, fixed for the whole run): `rollout_kv_cache_tokens` if set, else `rollout_kv_cache_gb`,
+    else `rollout_kv_cache_fraction` of the free GPU memory when the engine starts (65,536 tokens on CPU). Set at
+    most one of the first two.
+    """
+
+    rollout_sampling_mode: str = field(
+        default=_default("sampling_mode"),
+        metadata={
+            "help": f"How the G samples of each prompt share the decode batch: one of {list(SAMPLING_MODES)}. "
+            "`full_group`: all samples at once; `micro_group`: g at a time, the next g start when all g are done; "
+            "`fixed_slot`: g slots refilled as soon as a sample finishes; `dynamic_slot`: as many as the KV budget "
+            "holds."
+        },
+    )
+    rollout_max_active_sequences: int | None = field(
+        default=_default("max_active_sequences"),
+        metadata={
+            "help": "g, the number of samples decoding at once in `micro_group` and `fixed_slot` modes (ignored by "
+            "`full_group` and `dynamic_slot`). Also the size of the chunks streamed to the reward functions."
+        },
+    )
+    rollout_kv_cache_tokens: int | None = field(
+        default=_default("kv_cache_tokens"),
+        metadata={"help": "KV budget in tokens (all layers). Takes precedence over the other budgets."},
+    )
+    rollout_kv_cache_gb: float | None = field(
+        default=_default("kv_cache_gb"),
+        metadata={"help": "KV budget in GB (K and V, all layers). Set this or `rollout_kv_cache_tokens`, not both."},
+    )
+    rollout_kv_cache_fraction: float = field(
+        default=_default("kv_cache_fraction"),
+        metadata={"help": "With no explicit budget: fraction of the free GPU memory taken for the KV pool."},
+    )
+    rollout_block_size: int = field(
+        default=_default("block_size"), metadata={"help": "Tokens per KV block of the paged cache."}
+    )
+    rollout_max_prefill_tokens: int = field(
+        default=_default("max_prefill_tokens"),
+        metadata={
+            "help": "Most prompt tokens run through the model in one prefill forward (longer ones are chunked)."
+        },
+    )
+    rollout_attention_backend: str = field(
+        default=_default("attention_backend"),
+        metadata={"help": f"Paged attention kernel: one of {list(ATTENTION_BACKENDS)} (`auto` picks the fastest)."},
+    )
+    rollout_scheduler: str = field(
+        default=_default("scheduler"),
+        metadata={"help": "Scheduling policy (registry name) deciding which pending sample takes a free slot."},
+    )
+    rollout_batch_policy: str = field(
+        default=_default("batch_policy"),
+        metadata={"help": "Admission policy (registry name) deciding how many samples run at once."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        engine_config_from_args(self)  # validates; raises naming the `rollout_` field
+
+
+def rollout_field_names(args) -> list[str]:
+    """Names of the `rollout_*` fields of a config (subclasses may add more)."""
+    return [f.name for f in fields(args) if f.name.startswith(PREFIX)]
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """`EngineConfig` from the `rollout_*` fields: `rollout_<name>` -> `EngineConfig.<name>`."""
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    kwargs = {}
+    for name in rollout_field_names(args):
+        key = name[len(PREFIX):]
+        if key not in engine_fields:
+            raise ValueError(f"`{name}` has no matching `EngineConfig.{key}` field.")
+        kwargs[key] = getattr(args, name)
+    try:
+        return EngineConfig(**kwargs)
+    except ValueError as err:
+        # name the user's field: `block_size` -> `rollout_block_size`
+        message = re.sub(r"`(\w+)`", lambda m: f"`{PREFIX}{m[1]}`" if m[1] in kwargs else m[0], str(err))
+        raise ValueError(message) from err

@@ -1,0 +1,137 @@
+"""From TRL's `_generate_single_turn` inputs to engine calls and back.
+
+TRL hands the hook one row per completion, each prompt repeated G times in a row. `prompt_runs` finds those runs,
+`generate_rows` calls the engine once per distinct run length (once in practice) with `num_generations` = the run
+length, and puts the completions back in TRL's row order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine import RolloutEngine, RolloutStats, SamplingParams
+
+# generation_kwargs keys the engine honours (anything else would silently change nothing, so it is refused)
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "do_sample": "do_sample",
+    "max_new_tokens": "max_new_tokens",
+}
+# keys with no effect on sampled tokens
+_NEUTRAL_KEYS = {"pad_token_id", "bos_token_id", "eos_token_id", "cache_implementation", "disable_compile"}
+
+
+@dataclass
+class PromptRun:
+    """`length` consecutive rows starting at row `start` that hold the same prompt."""
+
+    start: int
+    length: int
+
+
+def prompt_runs(prompt_ids: list[list[int]]) -> list[PromptRun]:
+    """Maximal runs of identical consecutive prompts, in row order."""
+    runs: list[PromptRun] = []
+    for i, p in enumerate(prompt_ids):
+        if runs and list(prompt_ids[runs[-1].start]) == list(p):
+            runs[-1].length += 1
+        else:
+            runs.append(PromptRun(i, 1))
+    return runs
+
+
+def sampling_params(args, eos_token_ids: list[int], generation_kwargs: dict | None, seed: int) -> SamplingParams:
+    """TRL's generation settings (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
+    `max_completion_length`, eos ids and the supported `generation_kwargs`) as engine `SamplingParams`."""
+    kw = dict(
+        max_new_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k or 0,
+        min_p=args.min_p or 0.0,
+        repetition_penalty=args.repetition_penalty,
+        do_sample=True,
+    )
+    for key, value in (generation_kwargs or {}).items():
+        if key in _SAMPLING_KEYS:
+            kw[_SAMPLING_KEYS[key]] = value
+        elif key not in _NEUTRAL_KEYS:
+            raise ValueError(unsupported_generation_kwargs([key]))
+    if kw["top_k"] is None:
+        kw["top_k"] = 0
+    if kw["min_p"] is None:
+        kw["min_p"] = 0.0
+    return SamplingParams(eos_token_ids=list(eos_token_ids), seed=seed, **kw)
+
+
+def unsupported_generation_kwargs(keys: list[str]) -> str:
+    return (
+        f"`generation_kwargs` keys {sorted(keys)} are not supported by the rollout engine (supported: "
+        f"{sorted(_SAMPLING_KEYS)}). Remove them, or set `use_vllm=True` to generate with vLLM instead."
+    )
+
+
+def check_generation_kwargs(generation_kwargs: dict | None) -> None:
+    bad = [k for k in (generation_kwargs or {}) if k not in _SAMPLING_KEYS and k not in _NEUTRAL_KEYS]
+    if bad:
+        raise ValueError(unsupported_generation_kwargs(bad))
+
+
+def rollout_seed(base_seed: int, process_index: int, call_index: int) -> int:
+    """A distinct sampling seed per (run seed, process, engine call): the engine's RNG is a pure function of
+    (seed, prompt, sample, position), so reusing a seed would repeat the previous batch's samples."""
+    return zlib.crc32(f"{base_seed}/{process_index}/{call_index}".encode()) & 0x7FFFFFFF
+
+
+RowCallback = Callable[[int, list[int]], None]  # (row index in TRL's order, completion ids)
+
+
+def generate_rows(
+    engine: RolloutEngine,
+    prompt_ids: list[list[int]],
+    sampling: SamplingParams,
+    on_row_finished: RowCallback | None = None,
+) -> tuple[list[list[int]], list[list[float]], list[RolloutStats]]:
+    """Completions and sampling log-probs for every row of `prompt_ids` (TRL's order), and the stats of each call."""
+    runs = prompt_runs(prompt_ids)
+    completions: list[list[int] | None] = [None] * len(prompt_ids)
+    logprobs: list[list[float] | None] = [None] * len(prompt_ids)
+    stats = []
+    for length in sorted({r.length for r in runs}):
+        chosen = [r for r in runs if r.length == length]
+        callback = None
+        if on_row_finished is not None:
+            def callback(prompt_idx: int, sample_idx: int, ids: list[int], _chosen=chosen) -> None:
+                on_row_finished(_chosen[prompt_idx].start + sample_idx, ids)
+        result = engine.generate(
+            [list(prompt_ids[r.start]) for r in chosen], length, sampling, on_sample_finished=callback
+        )
+        for k, (ids, lps) in enumerate(zip(result.completion_ids, result.logprobs)):
+            row = chosen[k // length].start + k % length
+            completions[row], logprobs[row] = list(ids), list(lps)
+        stats.append(result.stats)
+    return completions, logprobs, stats
+
+
+def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
+    """The `rollout/*` metrics of one engine call (plus every numeric `stats.extra` counter)."""
+    out = {
+        "rollout/tokens_per_second": stats.tokens_per_second,
+        "rollout/decode_steps": float(stats.decode_steps),
+        "rollout/peak_kv_gb": stats.peak_kv_bytes / 1e9,
+        "rollout/peak_active_sequences": float(stats.peak_active_sequences),
+        "rollout/prefill_tokens": float(stats.prefill_tokens),
+        "rollout/generated_tokens": float(stats.generated_tokens),
+        "rollout/preemptions": float(stats.preemptions),
+        "rollout/wall_time_s": stats.wall_time_s,
+    }
+    for key, value in stats.extra.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"rollout/{key}"] = float(value)
+    return out
