@@ -30,6 +30,28 @@ def test_values_reach_the_engine_config(tmp_path):
     assert (cfg.sampling_mode, cfg.max_active_sequences, cfg.kv_cache_tokens, cfg.block_size) == (
         "micro_group", 3, 512, 8,
     )
+    args = cpu_args(
+        tmp_path, rollout_scheduler="infinite", rollout_length_predictor="group", rollout_chunk_tokens=32,
+        rollout_speculative_method="suffix", rollout_num_speculative_tokens=3, rollout_speculative_adaptive=False,
+    )
+    cfg = engine_config_from_args(args)
+    assert (cfg.scheduler, cfg.length_predictor, cfg.chunk_tokens) == ("infinite", "group", 32)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_adaptive) == ("suffix", 3, False)
+
+
+def test_every_engine_setting_is_a_cli_flag():
+    """Each `EngineConfig` field a user sets (not the CPU-only fallback) has its `rollout_` twin, parsed from argv."""
+    from transformers import HfArgumentParser
+
+    rollout = {f.name[len("rollout_"):] for f in fields(InfiniteGRPOConfig) if f.name.startswith("rollout_")}
+    assert {f.name for f in fields(EngineConfig)} - rollout == {"default_cpu_kv_tokens"}
+    (args,) = HfArgumentParser(InfiniteGRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "/tmp/x", "--use_cpu", "--bf16", "False", "--rollout_scheduler", "sjf",
+         "--rollout_speculative_method", "ngram", "--rollout_chunk_tokens", "64", "--rollout_speculative_adaptive",
+         "False"]
+    )
+    assert (args.rollout_scheduler, args.rollout_speculative_method, args.rollout_chunk_tokens) == ("sjf", "ngram", 64)
+    assert args.rollout_speculative_adaptive is False
 
 
 @pytest.mark.parametrize(
@@ -46,6 +68,15 @@ def test_values_reach_the_engine_config(tmp_path):
         ({"rollout_attention_backend": "flash9"}, "rollout_attention_backend"),
         ({"rollout_scheduler": "nope"}, "rollout_scheduler"),
         ({"rollout_batch_policy": "nope"}, "rollout_batch_policy"),
+        ({"rollout_length_predictor": "psychic"}, "rollout_length_predictor"),
+        ({"rollout_prefix_predictor_k": 0}, "rollout_prefix_predictor_k"),
+        ({"rollout_fptas_epsilon": 0.0}, "rollout_fptas_epsilon"),
+        ({"rollout_chunk_tokens": 0}, "rollout_chunk_tokens"),
+        ({"rollout_batch_policy": "sla"}, "rollout_sla_decode_ms"),
+        ({"rollout_speculative_method": "oracle"}, "rollout_speculative_method"),
+        ({"rollout_num_speculative_tokens": 0}, "rollout_num_speculative_tokens"),
+        ({"rollout_speculative_method": "draft_model"}, "rollout_speculative_draft_model"),
+        ({"rollout_speculative_adaptive": "yes"}, "rollout_speculative_adaptive"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(tmp_path, overrides, field):

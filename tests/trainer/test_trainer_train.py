@@ -38,6 +38,20 @@ def test_two_steps_change_every_trainable_parameter(tmp_path, tokenizer, dataset
     assert 4 * logs[0]["rollout/decode_steps"] >= logs[0]["rollout/generated_tokens"] > 0
 
 
+def test_scheduler_speculation_and_divided_rollout_train(tmp_path, tokenizer, dataset):
+    """The length-aware scheduler, sibling-suffix speculation (always on) and divided rollout, through the trainer."""
+    trainer = make_trainer(
+        tmp_path, tokenizer, dataset, rollout_max_active_sequences=2, rollout_scheduler="infinite",
+        rollout_length_predictor="group", rollout_speculative_method="suffix", rollout_speculative_adaptive=False,
+        rollout_num_speculative_tokens=2, rollout_chunk_tokens=3,
+    )
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert torch.isfinite(torch.tensor(log["loss"]))
+    assert log["rollout/verify_steps"] > 0 and log["rollout/mean_acceptance_length"] >= 1.0
+    assert log["rollout/peak_active_sequences"] <= 2
+
+
 def test_group_larger_than_one_micro_batch_trains(tmp_path, tokenizer, dataset):
     """G=16 samples of one prompt, per-device batch 4 (4 micro batches), 4 decode slots."""
     trainer = make_trainer(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockAllocator, blocks_for
 from .scheduling.base import AdmissionPolicy, SchedulePolicy, SchedulerView
-from .sequence import Group, Sequence, SeqStatus
+from .sequence import Group, SeqStatus, Sequence
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.sequence import Sequence
+from ..utils.registry import Registry
 
 
 @dataclass
@@ -60,21 +61,11 @@ class Drafter:
 
 
 DrafterFactory = Callable[..., Drafter]
-DRAFTERS: dict[str, DrafterFactory] = {}
-
-
-def register_drafter(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a drafter class/factory under `name` (usable as `EngineConfig.speculative_method`).
-    The factory is called as `factory(config=EngineConfig, device=torch.device, **extras)`."""
-
-    def deco(factory: DrafterFactory) -> DrafterFactory:
-        DRAFTERS[name] = factory
-        return factory
-
-    return deco
+# Drafter classes/factories by name (usable as `EngineConfig.speculative_method`); a factory is called as
+# `factory(config=EngineConfig, device=torch.device, **extras)`.
+DRAFTERS: Registry[DrafterFactory] = Registry("speculative_method")
+register_drafter = DRAFTERS.register
 
 
 def build_drafter(name: str, **kwargs) -> Drafter:
-    if name not in DRAFTERS:
-        raise ValueError(f"`speculative_method` must be one of {sorted(DRAFTERS)}, got {name!r}.")
-    return DRAFTERS[name](**kwargs)
+    return DRAFTERS.get_or_raise(name)(**kwargs)

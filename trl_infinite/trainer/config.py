@@ -83,6 +83,57 @@ class InfiniteGRPOConfig(GRPOConfig):
         metadata={"help": "Admission policy (registry name) deciding how many samples run at once."},
     )
 
+    rollout_length_predictor: str | None = field(
+        default=_default("length_predictor"),
+        metadata={
+            "help": "Length predictor of the length-aware schedulers (`sjf`, `lfs`, `fptas`, `infinite`): `prefix` "
+            "(online regression head on the policy's hidden state at completion token k), `group` (finished "
+            "siblings), `none`. In Python code also a callable `(prompt_ids, prefix_ids) -> length` or a "
+            "sequence-classification model."
+        },
+    )
+    rollout_prefix_predictor_k: int = field(
+        default=_default("prefix_predictor_k"),
+        metadata={"help": "k: completion tokens the `prefix` length predictor reads before predicting."},
+    )
+    rollout_fptas_epsilon: float = field(
+        default=_default("fptas_epsilon"),
+        metadata={"help": "FPTAS tolerance of the `fptas`/`infinite` schedulers: plan <= (1 + eps) * optimum."},
+    )
+    rollout_chunk_tokens: int | None = field(
+        default=_default("chunk_tokens"),
+        metadata={
+            "help": "Divided rollout: a sample decodes at most this many tokens, then returns to the queue with its "
+            "KV kept (moved to host memory when the pool needs room). None = off."
+        },
+    )
+    rollout_sla_decode_ms: float | None = field(
+        default=_default("sla_decode_ms"),
+        metadata={"help": "`rollout_batch_policy='sla'`: target decode step latency in milliseconds."},
+    )
+    rollout_speculative_method: str | None = field(
+        default=_default("speculative_method"),
+        metadata={
+            "help": "Lossless speculative decoding: None (off), `suffix` (drafts from sibling samples of the same "
+            "prompt), `ngram` (prompt lookup), `draft_model`, `best_of_n` (picks per sample among the others)."
+        },
+    )
+    rollout_num_speculative_tokens: int = field(
+        default=_default("num_speculative_tokens"),
+        metadata={"help": "Most draft tokens verified per sample and decode step (k)."},
+    )
+    rollout_speculative_draft_model: str | None = field(
+        default=_default("speculative_draft_model"),
+        metadata={"help": "Draft model path (sharing the policy's tokenizer) for `draft_model` and `best_of_n`."},
+    )
+    rollout_speculative_adaptive: bool = field(
+        default=_default("speculative_adaptive"),
+        metadata={
+            "help": "Adapt each sample's draft length to its acceptance and switch speculation off while the batch "
+            "is large (online cost model). False: always draft `rollout_num_speculative_tokens`."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         engine_config_from_args(self)  # validates; raises naming the `rollout_` field

@@ -130,7 +130,16 @@ def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
         "rollout/generated_tokens": float(stats.generated_tokens),
         "rollout/preemptions": float(stats.preemptions),
         "rollout/wall_time_s": stats.wall_time_s,
+        "rollout/mean_active_sequences": stats.mean_active_sequences,
+        "rollout/kv_utilization": stats.kv_utilization,
+        "rollout/tail_decode_steps": float(stats.tail_decode_steps),
+        "rollout/offloaded_blocks": float(stats.offloaded_blocks),
     }
+    if stats.verify_steps:  # speculative decoding ran
+        out["rollout/mean_acceptance_length"] = stats.mean_acceptance_length
+        out["rollout/draft_tokens"] = float(stats.draft_tokens)
+        out["rollout/accepted_tokens"] = float(stats.accepted_tokens)
+        out["rollout/verify_steps"] = float(stats.verify_steps)
     for key, value in stats.extra.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"rollout/{key}"] = float(value)

@@ -16,16 +16,18 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from ...utils.registry import Registry
 from .metadata import PagedAttentionMetadata, Segment, build_metadata
 from .torch_backend import torch_paged_attention
 
 PAGED_ATTENTION_NAME = "trl_infinite_paged"
-ATTENTION_BACKEND_FNS: dict[str, Callable] = {"torch": torch_paged_attention}
+ATTENTION_BACKEND_FNS: Registry[Callable] = Registry("attention_backend")
+ATTENTION_BACKEND_FNS["torch"] = torch_paged_attention
 
 
 def register_attention_backend(name: str, fn: Callable) -> None:
     """Make `fn` selectable as `EngineConfig.attention_backend=name`."""
-    ATTENTION_BACKEND_FNS[name] = fn
+    ATTENTION_BACKEND_FNS.register(name)(fn)
 
 
 def resolve_backend(name: str, device: torch.device) -> Callable:
@@ -41,9 +43,7 @@ def resolve_backend(name: str, device: torch.device) -> Callable:
                 pass
     if name == "triton" and "triton" not in ATTENTION_BACKEND_FNS:
         from . import triton_backend  # noqa: F401
-    if name not in ATTENTION_BACKEND_FNS:
-        raise ValueError(f"`attention_backend` must be one of {sorted(ATTENTION_BACKEND_FNS)} or 'auto', got {name!r}.")
-    return ATTENTION_BACKEND_FNS[name]
+    return ATTENTION_BACKEND_FNS.get_or_raise(name)
 
 
 @dataclass

@@ -22,10 +22,8 @@ def build_policies(
     max_batch: int | None = None,
 ) -> tuple[SchedulePolicy, AdmissionPolicy]:
     """A fresh (ordering policy, admission policy) pair for one `generate` call."""
-    if scheduler not in SCHEDULERS:
-        raise ValueError(f"`scheduler` must be one of {sorted(SCHEDULERS)}, got {scheduler!r}.")
-    if batch_policy not in BATCH_POLICIES:
-        raise ValueError(f"`batch_policy` must be one of {sorted(BATCH_POLICIES)}, got {batch_policy!r}.")
-    policy = SCHEDULERS[scheduler](predictor=predictor, num_slots=num_slots, fptas_epsilon=fptas_epsilon)
-    admission = BATCH_POLICIES[batch_policy](sla_decode_ms=sla_decode_ms, max_batch=max_batch)
+    policy_cls = SCHEDULERS.get_or_raise(scheduler)
+    admission_cls = BATCH_POLICIES.get_or_raise(batch_policy)
+    policy = policy_cls(predictor=predictor, num_slots=num_slots, fptas_epsilon=fptas_epsilon)
+    admission = admission_cls(sla_decode_ms=sla_decode_ms, max_batch=max_batch)
     return policy, admission

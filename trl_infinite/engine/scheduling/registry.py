@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from ...utils.registry import Registry
 
-SCHEDULERS: dict[str, type] = {}
-BATCH_POLICIES: dict[str, type] = {}
+SCHEDULERS: Registry[type] = Registry("scheduler")
+BATCH_POLICIES: Registry[type] = Registry("batch_policy")
 
-
-def register_scheduler(name: str) -> Callable[[type], type]:
-    """Class decorator: make a `SchedulePolicy` selectable as `EngineConfig.scheduler=name`."""
-
-    def wrap(cls: type) -> type:
-        cls.name = name
-        SCHEDULERS[name] = cls
-        return cls
-
-    return wrap
-
-
-def register_batch_policy(name: str) -> Callable[[type], type]:
-    """Class decorator: make an `AdmissionPolicy` selectable as `EngineConfig.batch_policy=name`."""
-
-    def wrap(cls: type) -> type:
-        cls.name = name
-        BATCH_POLICIES[name] = cls
-        return cls
-
-    return wrap
+# Class decorators: make a `SchedulePolicy` / `AdmissionPolicy` selectable as `EngineConfig.scheduler=name` /
+# `EngineConfig.batch_policy=name`.
+register_scheduler = SCHEDULERS.register
+register_batch_policy = BATCH_POLICIES.register
 
 
 def _load_builtins() -> None:
