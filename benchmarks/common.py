@@ -16,10 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from trl_infinite.utils.shared_data import dataset_file  # noqa: E402
 from trl_infinite.utils.traces import TraceRecord, load_trace, lognormal_trace  # noqa: E402
 
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}  # peak HBM bandwidth by device-name substring (SXM parts)
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = dataset_file("gsm8k")
 GB = 1e9
 
 

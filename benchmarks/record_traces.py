@@ -31,7 +31,9 @@ DATASETS = {"gsm8k": "question", "math": "problem"}
 
 
 def default_data_root() -> Path:
-    return Path(os.environ.get("TRL_INFINITE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    from trl_infinite.utils.shared_data import data_root
+
+    return data_root()
 
 
 def default_out_dir() -> Path:

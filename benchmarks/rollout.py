@@ -28,9 +28,10 @@ import torch  # noqa: E402
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from trl_infinite.engine.config import SAMPLING_MODES  # noqa: E402
+from trl_infinite.utils.shared_data import dataset_file  # noqa: E402
 from trl_infinite.utils.traces import load_trace, lognormal_trace  # noqa: E402
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = dataset_file("gsm8k")
 MB = 1e6
 COLUMNS = ("mode", "decode steps", "generated tokens", "tokens/s", "peak active", "peak KV blocks", "peak KV MB",
            "peak memory MB", "prefill tokens", "preemptions", "wall s")
@@ -124,7 +125,8 @@ def run_mode(model, mode: str, args, prompts, lengths, sampling: SamplingParams,
         engine.generate(prompts[:1], 2, SamplingParams(**{**sampling.__dict__, "max_new_tokens": 8}))
     result = engine.generate(prompts, args.group_size, sampling, forced_lengths=lengths)
     if lengths is not None:  # nothing dropped or shortened
-        assert [len(c) for c in result.completion_ids] == [x for row in lengths for x in row], mode
+        if [len(c) for c in result.completion_ids] != [x for row in lengths for x in row]:
+            raise RuntimeError(f"{mode}: a completion does not have its forced length")
     stats = result.stats
     row = {
         "mode": mode, "decode steps": stats.decode_steps, "generated tokens": stats.generated_tokens,

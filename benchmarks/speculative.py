@@ -26,8 +26,9 @@ METHODS = ("none", "ngram", "suffix", "best_of_n")
 
 
 def default_data() -> Path:
-    root = Path(os.environ.get("TRL_INFINITE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    return root / "gsm8k" / "test.jsonl"
+    from trl_infinite.utils.shared_data import dataset_file
+
+    return dataset_file("gsm8k")
 
 
 def load_prompts(tokenizer, path: Path, n: int, offset: int) -> list[list[int]]:
@@ -39,7 +40,7 @@ def load_prompts(tokenizer, path: Path, n: int, offset: int) -> list[list[int]]:
     ]
 
 
-def run_one(model, prompts, g: int, temperature: float, method: str, args, eos: list[int]) -> dict:
+def run_one(model, prompts, g: int, temperature: float, method: str, adaptive: bool, args, eos: list[int]) -> dict:
     from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 
     config = EngineConfig(
@@ -48,6 +49,7 @@ def run_one(model, prompts, g: int, temperature: float, method: str, args, eos: 
         kv_cache_tokens=args.kv_cache_tokens,
         speculative_method=None if method == "none" else method,
         num_speculative_tokens=args.k,
+        speculative_adaptive=adaptive,
     )
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, eos_token_ids=eos,
                               seed=args.seed)
@@ -65,7 +67,7 @@ def run_one(model, prompts, g: int, temperature: float, method: str, args, eos: 
     n_tail = max(1, math.ceil(0.1 * len(finished_at)))  # the last 10% of samples to finish (at least one)
     tail = forwards[0] - finished_at[-n_tail - 1] if len(finished_at) > n_tail else forwards[0]
     return {
-        "method": method, "G": g, "temperature": temperature, "num_prompts": len(prompts),
+        "method": method, "adaptive": adaptive if method != "none" else None, "G": g, "temperature": temperature, "num_prompts": len(prompts),
         "mean_acceptance_length": s.mean_acceptance_length if s.verify_steps else 1.0,
         "decode_steps": s.decode_steps, "verify_steps": s.verify_steps, "tail_decode_steps": tail,
         "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
@@ -73,13 +75,18 @@ def run_one(model, prompts, g: int, temperature: float, method: str, args, eos: 
     }
 
 
+def _flag(adaptive: bool | None) -> str:
+    return "-" if adaptive is None else ("on" if adaptive else "off")
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| G | T | method | mean acc. len | decode fwd | tail fwd | verify fwd | drafted | accepted | tokens | "
+    head = ("| G | T | method | adaptive | mean acc. len | decode fwd | tail fwd | verify fwd | drafted | accepted | tokens | "
             "wall s | tok/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['G']} | {r['temperature']} | {r['method']} | {r['mean_acceptance_length']:.2f} | "
+            f"| {r['G']} | {r['temperature']} | {r['method']} | {_flag(r['adaptive'])} | "
+            f"{r['mean_acceptance_length']:.2f} | "
             f"{r['decode_steps']} | {r['tail_decode_steps']} | {r['verify_steps']} | {r['draft_tokens']} | "
             f"{r['accepted_tokens']} | {r['generated_tokens']} | {r['wall_time_s']:.1f} | "
             f"{r['tokens_per_second']:.1f} |"
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.6])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--adaptive", choices=["on", "off", "both"], default="both",
+                   help="speculative_adaptive: on = the product default (cost model may switch speculation off), "
+                   "off = always draft k tokens; both = one row each")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=20_000)
     p.add_argument("--seed", type=int, default=0)
@@ -113,15 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     prompts = load_prompts(tok, args.data, args.num_prompts, args.prompt_offset)
     eos = [tok.eos_token_id]
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.adaptive]
     rows = []
     t0 = time.perf_counter()
     for g in args.group_sizes:
         for temp in args.temperatures:
             for method in args.methods:
-                rows.append(run_one(model, prompts, g, temp, method, args, eos))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                if args.json:
-                    args.json.write_text(json.dumps(rows, indent=1))
+                for adaptive in ([True] if method == "none" else modes):
+                    rows.append(run_one(model, prompts, g, temp, method, adaptive, args, eos))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps(rows, indent=1))
     print(f"device={args.device} prompts={len(prompts)} k={args.k} total {time.perf_counter() - t0:.0f}s\n")
     print(table(rows))
 

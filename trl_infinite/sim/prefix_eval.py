@@ -46,7 +46,7 @@ def features(records: list[TraceRecord], model, ks: list[int], batch: int = 16) 
     return out
 
 
-def evaluate_mae(records: list[TraceRecord], feats: dict, l2: float = 10.0) -> dict[str, float]:
+def evaluate_mae(records: list[TraceRecord], feats: dict, l2: float | None = None) -> dict[str, float]:
     """Leave-one-prompt-out MAE (tokens) of the ridge head on `feats` and of the constant-mean baseline."""
     keyed = {(r.prompt_index, j): n for r in records for j, n in enumerate(r.lengths)}
     errs, base = [], []
@@ -54,7 +54,7 @@ def evaluate_mae(records: list[TraceRecord], feats: dict, l2: float = 10.0) -> d
         head = OnlineRidge(l2)
         train = [(key, n) for key, n in keyed.items() if key[0] != rec.prompt_index and key in feats]
         for key, n in train:
-            head.add(feats[key], math.log(max(1, n)))
+            head.add(feats[key], math.log(max(1, n)), group=key[0])
         mean_len = float(np.mean([n for _, n in train])) if train else 0.0
         for j, n in enumerate(rec.lengths):
             f = feats.get((rec.prompt_index, j))

@@ -10,8 +10,9 @@ learn. Every prediction that was used is scored against the true length at finis
 - "prefix" (Infinite Sampling §4): after the first k completion tokens, a regression head on a feature vector of the
   prompt + prefix. The default features are the policy model's own last hidden state at completion token k (the
   engine / simulator put it in `seq.extra["prefix_hidden"]`); the head is an online ridge regression on log-length,
-  refitted from the samples that finished. A user callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face
-  sequence-classification model (one regression logit) can replace the head. The k tokens are kept: decoding resumes
+  refitted from the samples that finished, its penalty chosen by leave-one-prompt-out error (`ridge.py`). A user
+  callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face sequence-classification model (one regression
+  logit) can replace the head. The k tokens are kept: decoding resumes
   at k+1. Before the head has seen `min_train` finished samples it falls back to the "group" estimate.
 - "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
 """
@@ -21,9 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
-
 from ..sequence import Sequence
+from .ridge import OnlineRidge
 
 PREDICTORS: dict[str, type] = {}
 
@@ -111,53 +111,13 @@ class GroupPredictor(LengthPredictor):
         self.finished.setdefault(seq.group_id, []).append(seq.num_generated)
 
 
-class OnlineRidge:
-    """Ridge regression y ~ w.x + b refitted in closed form from all observations (numpy; d is the hidden size)."""
-
-    def __init__(self, l2: float = 1.0):
-        self.l2 = l2
-        self.xs: list[np.ndarray] = []
-        self.ys: list[float] = []
-        self.w: np.ndarray | None = None
-        self._dirty = False
-
-    def add(self, x, y: float) -> None:
-        self.xs.append(np.asarray(x, dtype=np.float64).ravel())
-        self.ys.append(float(y))
-        self._dirty = True
-
-    def fit(self) -> None:
-        X = np.stack(self.xs)  # [n, d]
-        self.mean, self.std = X.mean(0), X.std(0) + 1e-6
-        Z = np.concatenate([(X - self.mean) / self.std, np.ones((len(X), 1))], axis=1)  # [n, d+1]
-        y = np.asarray(self.ys)
-        reg = self.l2 * np.eye(Z.shape[1])
-        reg[-1, -1] = 0.0  # no penalty on the bias
-        if Z.shape[0] < Z.shape[1]:  # dual form: (Z Z^T + l2 I)^-1 is n x n
-            alpha = np.linalg.solve(Z @ Z.T + self.l2 * np.eye(len(Z)), y - y.mean())
-            self.w = Z.T @ alpha
-            self.w[-1] += y.mean()
-        else:
-            self.w = np.linalg.solve(Z.T @ Z + reg, Z.T @ y)
-        self._dirty = False
-
-    def __call__(self, x) -> float:
-        if self._dirty or self.w is None:
-            self.fit()
-        z = (np.asarray(x, dtype=np.float64).ravel() - self.mean) / self.std
-        return float(z @ self.w[:-1] + self.w[-1])
-
-    def __len__(self) -> int:
-        return len(self.ys)
-
-
 @register_predictor("prefix")
 class PrefixPredictor(LengthPredictor):
     """Length from the prompt + first k completion tokens (see module docstring)."""
 
     wants_hidden = True
 
-    def __init__(self, k: int = 16, fn: Callable | None = None, min_train: int = 8, l2: float = 10.0):
+    def __init__(self, k: int = 16, fn: Callable | None = None, min_train: int = 8, l2: float | None = None):
         super().__init__()
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"`prefix_predictor_k` must be an integer >= 1, got {k!r}.")
@@ -189,7 +149,8 @@ class PrefixPredictor(LengthPredictor):
         self.fallback.observe(seq)
         feat = seq.extra.get("prefix_hidden")
         if self.fn is None and feat is not None:
-            self.head.add(feat, math.log(max(1, seq.num_generated)))
+            # group = the prompt: the head's penalty is chosen by its error on prompts it has not seen
+            self.head.add(feat, math.log(max(1, seq.num_generated)), group=hash(tuple(seq.group.prompt_ids)))
 
 
 def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
