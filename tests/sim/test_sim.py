@@ -4,6 +4,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 
 from trl_infinite.sim.__main__ import main, run_table
 from trl_infinite.sim.prefix_eval import evaluate_mae
@@ -21,9 +22,11 @@ def test_cli_table_on_a_trace(tmp_path, capsys):
     assert (tmp_path / "out.json").exists()
 
 
-def test_table_orders_and_bound():
+@pytest.mark.parametrize("prompts_per_call", [1, 2])
+def test_table_orders_and_bound(prompts_per_call):
     recs = lognormal_trace(4, 32, 120, 0.8, 512, seed=2)
-    rows = {r["policy"]: r for r in run_table(recs, SimConfig(slots=4), "oracle")}
+    config = SimConfig(slots=4 * prompts_per_call, prompts_per_call=prompts_per_call)
+    rows = {r["policy"]: r for r in run_table(recs, config, "oracle")}
     bound = rows["bound"]["decode_steps"]
     for name, r in rows.items():
         if name != "dynamic_slot":  # dynamic_slot is not bound to g slots (as many as memory allows)
