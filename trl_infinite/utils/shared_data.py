@@ -10,9 +10,13 @@ from pathlib import Path
 
 
 def data_root() -> Path:
-    """The folder holding `gsm8k/` and `math/` (each with `train.jsonl` and `test.jsonl`)."""
+    """The folder holding `gsm8k/` and `math/` (each with `train.jsonl` and `test.jsonl`): `$TRL_INFINITE_DATA`,
+    else the first existing of `shared/data` beside the package's checkout and beside the working directory."""
     env = os.environ.get("TRL_INFINITE_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+    if env:
+        return Path(env)
+    candidates = [Path(__file__).resolve().parents[3] / "shared" / "data", Path.cwd().resolve().parent / "shared" / "data"]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def dataset_file(dataset: str, split: str = "test") -> Path:
