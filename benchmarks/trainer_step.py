@@ -2,11 +2,11 @@
 
 Random weights of a given architecture (default Qwen3-1.7B's config, built offline), G samples of one prompt with
 forced completion lengths drawn from a log-normal (the long tail of real rollouts): the engine stops each sample at
-its length (`forced_lengths`); TRL's `generate` has no per-sample stop, so it decodes until the longest one (EOS is
-never sampled by random weights) and its completions are then cut to the same lengths, so both backward passes see identical lengths.
+its length (`forced_lengths`); TRL's `generate` has no per-sample stop, so it decodes until the longest one (EOS
+suppressed) and its completions are then cut to the same lengths, so both backward passes see identical lengths.
 
-    python examples/benchmark_trainer_step.py                      # GPU: Qwen3-1.7B shape, G=32, 1024 tokens
-    python examples/benchmark_trainer_step.py --tiny --device cpu  # a smoke run
+    python benchmarks/trainer_step.py                      # GPU: Qwen3-1.7B shape, G=32, 1024 tokens
+    python benchmarks/trainer_step.py --tiny --device cpu  # a smoke run
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def run(kind: str, a, lengths: list[int]) -> dict:
     )
     reward = lambda completion_ids, **kw: [float(len(c) % 5) for c in completion_ids]  # noqa: E731
     if kind == "trl":
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=ds,
-                              processing_class=tok)
+        # random weights do sample EOS now and then (1 / vocab per token): ban it so every row reaches its length
+        trl_args = GRPOConfig(**common, generation_kwargs={"suppress_tokens": [tok.eos_token_id]})
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_args, train_dataset=ds, processing_class=tok)
         original = trainer._generate_single_turn
 
         def cut(*args, **kwargs):
@@ -90,6 +91,8 @@ def run(kind: str, a, lengths: list[int]) -> dict:
             return engine
 
         trainer._get_engine = engine_with_lengths
+        # the KV pool is allocated once per training run, not per step: build it before the timed step
+        engine_with_lengths(trainer.accelerator.unwrap_model(trainer.model))
     if a.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
