@@ -26,13 +26,26 @@ def model():
      ("fixed_slot", "fptas", None), ("fixed_slot", "seer", 6), ("dynamic_slot", "lfs", None)],
 )
 def test_engine_matches_simulator_on_forced_lengths(model, mode, scheduler, chunk):
+    _check_engine_equals_simulator(model, mode, scheduler, chunk, LENGTHS)
+
+
+def test_one_token_samples_take_no_decode_row(model):
+    """Samples that end with their first token (sampled from the prompt's logits) never join a decode forward."""
+    ones = [[1, 1, 1, 4, 1, 1], [1, 1, 1, 1, 1, 1]]
+    _check_engine_equals_simulator(model, "fixed_slot", "fifo", None, ones)
+    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=3, kv_cache_tokens=240, block_size=4)
+    res = RolloutEngine(model, cfg).generate(PROMPTS, 6, SamplingParams(max_new_tokens=1, seed=1))
+    assert res.stats.decode_steps == 0 and all(len(c) == 1 for c in res.completion_ids)
+
+
+def _check_engine_equals_simulator(model, mode, scheduler, chunk, lengths):
     cfg = EngineConfig(sampling_mode=mode, max_active_sequences=3, scheduler=scheduler, length_predictor="oracle",
                        kv_cache_tokens=240, block_size=4, chunk_tokens=chunk)
     res = RolloutEngine(model, cfg).generate(PROMPTS, 6, SamplingParams(max_new_tokens=40, seed=1),
-                                             forced_lengths=LENGTHS)
-    assert [len(c) for c in res.completion_ids] == [n for g in LENGTHS for n in g]  # nothing lost or shortened
+                                             forced_lengths=lengths)
+    assert [len(c) for c in res.completion_ids] == [n for g in lengths for n in g]  # nothing lost or shortened
     records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=40)
-               for i, (p, g) in enumerate(zip(PROMPTS, LENGTHS))]
+               for i, (p, g) in enumerate(zip(PROMPTS, lengths))]
     sim = simulate(records, SimConfig(sampling_mode=mode, scheduler=scheduler, slots=3, prompts_per_call=2,
                                       block_size=4, kv_cache_tokens=240, chunk_tokens=chunk))
     assert res.stats.decode_steps == sim.decode_steps

@@ -189,32 +189,37 @@ class _Step:
             return [], []
         if self.spec is not None:
             return self.spec.run(self, batch, first, first_lp)
-        segments, fresh_first = [], {}
+        # a fresh sample whose first token already ends it (EOS, or a one-token limit) needs no decode row
+        rows = [s for s in batch.decode if s.seq_id not in first or not s.ends_with_first(first[s.seq_id])]
+        sampled = self._decode(rows, first) if rows else {}
+        tokens, logprobs = [], []
         for seq in batch.decode:
+            head, head_lp = ([first[seq.seq_id]], [first_lp[seq.seq_id]]) if seq.seq_id in first else ([], [])
+            tail, tail_lp = sampled.get(seq.seq_id, ([], []))
+            tokens.append(head + tail)
+            logprobs.append(head_lp + tail_lp)
+        return tokens, logprobs
+
+    def _decode(self, rows: list[Sequence], first: dict[int, int]) -> dict[int, tuple[list[int], list[float]]]:
+        """One decode forward over `rows` (a fresh sample's input is its first token): {seq_id: ([token], [lp])}."""
+        segments, fresh_first = [], {}
+        for seq in rows:
             if seq.seq_id in first:
                 fresh_first[seq.seq_id] = first[seq.seq_id]
                 segments.append(self._decode_segment(seq, first[seq.seq_id], seq.prompt_len))
             else:
                 segments.append(self._decode_segment(seq, seq.output_ids[-1], seq.num_tokens - 1))
-        want = self.prefix_k is not None and any(self._at_prefix(s) for s in batch.decode)
+        want = self.prefix_k is not None and any(self._at_prefix(s) for s in rows)
         logits, hidden = self.runner.forward(segments, torch.arange(len(segments)), output_hidden=want)
         self.stats.decode_steps += 1
         if want:
-            for row, seq in enumerate(batch.decode):
+            for row, seq in enumerate(rows):
                 if self._at_prefix(seq):  # the input token of this row is completion token k
                     seq.extra["prefix_hidden"] = hidden[row].float().cpu().numpy()
         positions = [seg.start_pos + 1 for seg in segments]
-        history = self._history(batch.decode, fresh_first) if self.sampler.params.repetition_penalty != 1.0 else None
-        toks, lps = self._sample(logits, batch.decode, positions, history)
-        tokens, logprobs = [], []
-        for seq, t, lp in zip(batch.decode, toks.tolist(), lps.tolist()):
-            if seq.seq_id in first:
-                tokens.append([first[seq.seq_id], t])
-                logprobs.append([first_lp[seq.seq_id], lp])
-            else:
-                tokens.append([t])
-                logprobs.append([lp])
-        return tokens, logprobs
+        history = self._history(rows, fresh_first) if self.sampler.params.repetition_penalty != 1.0 else None
+        toks, lps = self._sample(logits, rows, positions, history)
+        return {seq.seq_id: ([t], [lp]) for seq, t, lp in zip(rows, toks.tolist(), lps.tolist())}
 
     # -- pieces
     def _at_prefix(self, seq: Sequence) -> bool:

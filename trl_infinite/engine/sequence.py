@@ -93,6 +93,12 @@ class Sequence:
     def length_limit(self) -> int:
         return self.max_new_tokens if self.forced_length is None else min(self.forced_length, self.max_new_tokens)
 
+    def ends_with_first(self, token: int) -> bool:
+        """Whether `token`, as this fresh sample's first completion token, would finish it (no decode row needed)."""
+        if self.forced_length is None and token in self.eos_token_ids:
+            return True
+        return self.length_limit <= 1
+
     def append_token(self, token: int, logprob: float = 0.0) -> bool:
         """Append one sampled token; returns True when this token finishes the sample."""
         self.output_ids.append(int(token))

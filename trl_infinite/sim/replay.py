@@ -122,7 +122,8 @@ def simulate(
         while sched.has_unfinished():
             batch = sched.schedule()
             tokens, logprobs = executor.run(batch)
-            if batch.decode:
+            # as in the engine, a fresh sample ended by its first token takes no decode row
+            if any(not s.is_fresh or not s.ends_with_first(0) for s in batch.decode):
                 steps += 1
                 if len(sched.finished) >= 0.9 * len(seqs):
                     out.tail_steps += 1
