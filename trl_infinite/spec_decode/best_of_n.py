@@ -22,7 +22,7 @@ from .suffix import SuffixDrafter
 
 @register_drafter("best_of_n")
 class BestOfNDrafter(Drafter):
-    name = "best_of_n"
+    """Picks, per sample, the member drafter with the most expected accepted tokens per unit cost (module docs)."""
 
     def __init__(self, draft_model=None, tail_batch: int = 4, **kwargs):
         super().__init__()

@@ -41,7 +41,6 @@ class _State:
 
 @register_drafter("draft_model")
 class DraftModelDrafter(Drafter):
-    name = "draft_model"
     cost_per_token = 0.2  # relative to a target decode forward; refined by the engine's cost model via acceptance
 
     def __init__(self, config: EngineConfig, device: torch.device, sampling: SamplingParams, draft_model, **_):

@@ -12,7 +12,6 @@ class NgramDrafter(Drafter):
     (prompt + completion) occurred and propose the tokens that followed. Tables are updated incrementally: the
     n-gram ending at index j is indexed (-> j) once token j exists, so a hit always has a continuation."""
 
-    name = "ngram"
 
     def __init__(self, max_n: int = 4, min_n: int = 2, **_):
         super().__init__()

@@ -49,8 +49,6 @@ class _GroupTree:
 class SuffixDrafter(Drafter):
     """Frequency-scored drafts from the group's shared suffix trie (prompt + all sibling completions)."""
 
-    name = "suffix"
-
     def __init__(self, max_depth: int = 24, min_confidence: float = 0.1, min_match: int = 1, **_):
         super().__init__()
         self.max_depth, self.min_confidence, self.min_match = max_depth, min_confidence, min_match

@@ -12,8 +12,8 @@ learn. Every prediction that was used is scored against the true length at finis
   engine / simulator put it in `seq.extra["prefix_hidden"]`); the head is an online ridge regression on log-length,
   refitted from the samples that finished, its penalty chosen by leave-one-prompt-out error (`ridge.py`). A user
   callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face sequence-classification model (one regression
-  logit) can replace the head. The k tokens are kept: decoding resumes
-  at k+1. Before the head has seen `min_train` finished samples it falls back to the "group" estimate.
+  logit) can replace the head. The k tokens are kept: decoding resumes at k+1. Before the head has seen `min_train`
+  finished samples it falls back to the "group" estimate.
 - "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
 """
 
@@ -22,19 +22,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ...utils.registry import Registry
 from ..sequence import Sequence
 from .ridge import OnlineRidge
 
-PREDICTORS: dict[str, type] = {}
-
-
-def register_predictor(name: str):
-    def wrap(cls):
-        cls.name = name
-        PREDICTORS[name] = cls
-        return cls
-
-    return wrap
+PREDICTORS: Registry[type] = Registry("length_predictor")
+register_predictor = PREDICTORS.register
 
 
 class LengthPredictor:
@@ -177,8 +170,6 @@ def make_predictor(spec, k: int = 16) -> LengthPredictor:
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
-        if spec not in PREDICTORS:
-            raise ValueError(f"`length_predictor` must be one of {sorted(PREDICTORS)}, a callable or a model, "
-                             f"got {spec!r}.")
-        return PREDICTORS[spec](k=k) if spec == "prefix" else PREDICTORS[spec]()
+        cls = PREDICTORS.get_or_raise(spec)
+        return cls(k=k) if spec == "prefix" else cls()
     return PrefixPredictor(k=k, fn=spec)

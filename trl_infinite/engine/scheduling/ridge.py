@@ -34,7 +34,6 @@ class OnlineRidge:
         self.ys: list[float] = []
         self.groups: list[Hashable] = []
         self.w: np.ndarray | None = None
-        self.chosen_l2: float | None = None
         self._seen = 0  # observations ever added
         self._fitted_on = 0  # observations seen at the last fit
 
@@ -61,7 +60,6 @@ class OnlineRidge:
         d = Z.shape[1]
         lams = [self.l2] if self.l2 is not None else [p * d for p in PENALTIES]
         lam = min(lams, key=lambda lam: self._group_cv_error(U, s, Uy, yc, lam))
-        self.chosen_l2 = float(lam)
         self.w = np.zeros(d) if np.isinf(lam) else Vt.T @ (s / (s**2 + lam) * Uy)
         self._fitted_on = self._seen
 
