@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_infinite.engine.attention import PagedContext, Segment, build_metadata, torch_paged_attention
+from trl_infinite.engine.attention import PagedContext, Segment, build_metadata, torch_paged_attention, with_context
 from trl_infinite.engine.attention import paged_attention_forward as attention_fn
 from trl_infinite.engine.attention.metadata import slots_for_positions
 
@@ -40,13 +40,13 @@ def _batch():
 def _pool_with_cached_context(seqs, meta):
     """A garbage-filled pool holding every segment's already-cached positions (< start_pos)."""
     gen = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(1, NUM_BLOCKS * B, HKV, D, generator=gen)
-    v_cache = torch.randn(1, NUM_BLOCKS * B, HKV, D, generator=gen)
+    k_cache = torch.randn(NUM_BLOCKS * B, HKV, D, generator=gen)
+    v_cache = torch.randn(NUM_BLOCKS * B, HKV, D, generator=gen)
     for s, (seg, k, v) in enumerate(seqs):
         pos = torch.arange(seg.start_pos)[None]
         slots = slots_for_positions(pos, meta.prompt_lens[s : s + 1], meta.prefix_table[s : s + 1],
                                     meta.suffix_table[s : s + 1], B)[0]
-        k_cache[0, slots], v_cache[0, slots] = k[: seg.start_pos], v[: seg.start_pos]
+        k_cache[slots], v_cache[slots] = k[: seg.start_pos], v[: seg.start_pos]
     return k_cache, v_cache
 
 
@@ -79,8 +79,9 @@ def test_paged_attention_matches_sdpa(window):
     new_v = torch.cat([v[s.start_pos :] for s, _, v in seqs])
     query = torch.randn(new_k.shape[0], H, D, generator=torch.Generator().manual_seed(2))
 
-    # the registered attention function writes the new K/V at slot_mapping, then runs the backend
-    ctx = PagedContext(k_cache, v_cache, meta, torch_paged_attention)
+    # the registered attention function writes the new K/V at slot_mapping, then runs the backend, whose
+    # per-forward plan (context slots and masks) is built once
+    ctx = PagedContext([k_cache], [v_cache], with_context(meta, (window,)), torch_paged_attention)
     out, _ = attention_fn(SimpleNamespace(layer_idx=0), query.transpose(0, 1)[None], new_k.transpose(0, 1)[None],
                           new_v.transpose(0, 1)[None], None, scaling=SCALE, sliding_window=window, paged_ctx=ctx)
     assert out.shape == (1, query.shape[0], H, D)

@@ -49,14 +49,17 @@ def test_pool_is_sized_from_tokens_or_gigabytes(model):
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     pool = KVCachePool(cfg, EngineConfig(kv_cache_tokens=100, block_size=16), torch.float32, torch.device("cpu"))
-    assert pool.num_blocks == 6  # floor(100 / 16): never more than the budget
-    assert pool.k_cache.shape == (layers, 6 * 16, kv_heads, head_dim) == pool.v_cache.shape
+    assert pool.num_blocks == 5  # floor(100 / 16) = 6 blocks in the budget, one of them the null block
+    assert pool.null_block == 5
+    assert len(pool.k_caches) == len(pool.v_caches) == layers
+    assert pool.k_caches[0].shape == (6 * 16, kv_heads, head_dim) == pool.v_caches[-1].shape
     assert pool.block_bytes == 2 * layers * 16 * kv_heads * head_dim * 4
     gb = 10 * pool.block_bytes / 1e9
     pool_gb = KVCachePool(cfg, EngineConfig(kv_cache_gb=gb * 1.0001, block_size=16), torch.float32,
                           torch.device("cpu"))
-    assert pool_gb.num_blocks == 10
-    assert pool_gb.k_cache.numel() * 4 * 2 == 10 * pool.block_bytes  # K and V together fill exactly the budget
+    assert pool_gb.num_blocks == 9
+    cache_bytes = sum(t.numel() * 4 for t in pool_gb.k_caches + pool_gb.v_caches)
+    assert cache_bytes == 10 * pool.block_bytes  # K and V (null block included) fill exactly the budget
 
 
 def test_allocator_free_list_and_refcounts():
@@ -98,7 +101,7 @@ def test_full_group_peak_grows_linearly_with_group_size(model):
 @pytest.mark.parametrize("mode", ["fixed_slot", "dynamic_slot", "micro_group", "full_group"])
 def test_peak_never_exceeds_a_small_pool(model, mode):
     """G = 64 under a 24-block pool: every mode completes every sample within the pool."""
-    stats = _run(model, mode, 64, kv_tokens=24 * BLOCK)
+    stats = _run(model, mode, 64, kv_tokens=25 * BLOCK)  # 24 usable blocks + the null block
     assert stats.num_kv_blocks == 24
     assert stats.peak_kv_blocks <= 24
     if mode == "fixed_slot":

@@ -32,7 +32,7 @@ def case(request):
 
 def _engine(model, mode: str, blocks: int) -> RolloutEngine:
     return RolloutEngine(model, EngineConfig(
-        sampling_mode=mode, max_active_sequences=3, kv_cache_tokens=blocks * BLOCK, block_size=BLOCK,
+        sampling_mode=mode, max_active_sequences=3, kv_cache_tokens=(blocks + 1) * BLOCK, block_size=BLOCK,  # + null
         max_prefill_tokens=12, scheduler="fifo", batch_policy="static"))
 
 

@@ -192,7 +192,7 @@ def test_repetition_penalty_matches_transformers_whatever_the_padding():
     row by row, and independent of how much padding the batch adds (regression: padding used to race with id 0)."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from trl_infinite.engine.sampler import apply_repetition_penalty
+    from trl_infinite.engine.sampler import apply_repetition_penalty, seen_mask
 
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
     rows = [[0, 4], [3, 0, 7, 7, 1], [9]]
@@ -200,7 +200,7 @@ def test_repetition_penalty_matches_transformers_whatever_the_padding():
         history = torch.full((3, width), -1, dtype=torch.long)
         for i, r in enumerate(rows):
             history[i, : len(r)] = torch.tensor(r)
-        got = apply_repetition_penalty(logits, history, 1.3)
+        got = apply_repetition_penalty(logits, seen_mask(history, 10), 1.3)
         for i, r in enumerate(rows):
             want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([r]), logits[i : i + 1].clone())[0]
             torch.testing.assert_close(got[i], want, atol=0, rtol=0)

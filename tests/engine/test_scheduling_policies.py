@@ -12,6 +12,8 @@ from trl_infinite.engine.scheduling.factory import build_policies, build_predict
 from trl_infinite.engine.scheduling.fptas import fptas_partition, lpt, makespan
 from trl_infinite.engine.scheduling.registry import SCHEDULERS
 from trl_infinite.sim import SimConfig, oracle_bound, simulate
+from trl_infinite.engine.loop import drive
+from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.sim.replay import TraceExecutor, _requests
 from trl_infinite.utils.traces import TraceRecord, lognormal_trace
 
@@ -29,19 +31,16 @@ def steps(records, mode="fixed_slot", scheduler="fifo", slots=2, **kw):
 
 
 def finish_order(records, scheduler, slots=1, predictor="oracle"):
-    groups, seqs = _requests(records, 64)
+    groups = _requests(records, 64)
     policy, admission = build_policies(scheduler, "static", build_predictor(predictor), num_slots=slots)
     sched = Scheduler(BlockAllocator(200, 4), policy, admission, "fixed_slot", slots)
-    sched.submit(groups, seqs)
-    ex = TraceExecutor(None, None)
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        sched.postprocess(batch, *ex.run(batch))
+    sched.submit(groups, [s for g in groups for s in g.samples])
+    drive(sched, TraceExecutor(None, None, {g.group_id: g.group_id for g in groups}), RolloutStats())
     return [(s.group_id, s.sample_idx) for s in sched.finished]
 
 
 def test_step_convention_one_sample():
-    # a fresh sample's first step yields 2 tokens, then one per step: length 5 -> 4 decode steps
+    # the first token comes from the prompt's prefill, then one per decode step: length 5 -> 4 decode steps
     assert steps(trace([5]), slots=1).decode_steps == 4
     assert oracle_bound([5], 1) == 4
 

@@ -20,7 +20,12 @@ pytest.importorskip("triton", reason="triton is not installed (`pip install trit
 from _models import tiny_model  # noqa: E402
 
 from trl_infinite.engine import RolloutEngine  # noqa: E402
-from trl_infinite.engine.attention import Segment, build_metadata, torch_paged_attention  # noqa: E402
+from trl_infinite.engine.attention import (  # noqa: E402
+    Segment,
+    build_metadata,
+    torch_paged_attention,
+    with_context,
+)
 from trl_infinite.engine.attention import triton_backend as tb  # noqa: E402
 from trl_infinite.engine.config import EngineConfig, SamplingParams  # noqa: E402
 
@@ -53,12 +58,21 @@ def _decode_segments(group_sizes: list[int], prompt_lens: list[int], seed: int =
     return segs, next_block
 
 
+def _triton(q, k, v, meta, scale, window=None):
+    """The Triton backend as the engine runs it: its per-forward plan first, then the layer call."""
+    return tb.triton_paged_attention(q, k, v, tb.prepare_cascade(meta, (window,)), scale, window)
+
+
+def _reference(q, k, v, meta, scale, window=None):
+    return torch_paged_attention(q, k, v, with_context(meta, (window,)), scale, window)
+
+
 def _compare(segs, num_blocks, heads, kv_heads, head_dim, dtype):
     k, v = _pool(num_blocks, kv_heads, head_dim, dtype)
     _, _, meta = build_metadata(segs, PAGE, DEVICE)
     q = torch.randn(1, heads, len(segs), head_dim).to(DEVICE, dtype)[0].transpose(0, 1)  # strided, like the model's
-    got = tb.triton_paged_attention(q, k, v, meta, head_dim**-0.5)
-    ref = torch_paged_attention(q.float(), k.float(), v.float(), meta, head_dim**-0.5)
+    got = _triton(q, k, v, meta, head_dim**-0.5)
+    ref = _reference(q.float(), k.float(), v.float(), meta, head_dim**-0.5)
     assert got.dtype == dtype and got.shape == ref.shape
     err = (got.float() - ref).abs().max().item()
     assert err < TOL[dtype], f"max abs error {err} >= {TOL[dtype]}"
@@ -89,14 +103,11 @@ def test_split_k_suffix(monkeypatch, splits):
 
 
 def test_suffix_splits_heuristic():
-    segs, _ = _decode_segments([2], [5])  # 2 segments
-    _, _, meta = build_metadata(segs, PAGE, torch.device("cpu"))
-    meta.max_ctx_len = 5000
-    assert tb.suffix_splits(meta, 2, sms=132) == 16  # 4 programs on 132 SMs: capped at MAX_SUFFIX_SPLITS
-    assert tb.suffix_splits(meta, 2, sms=1) == 1  # the 4 programs already fill one SM twice
-    meta.max_ctx_len = 600
-    assert tb.suffix_splits(meta, 2, sms=132) == 2  # ceil(600 / 256) = 3 -> power of two below
-    assert tb.suffix_splits(meta, 132, sms=132) == 1  # 264 programs are two waves already
+    # shapes only (a CUDA graph replays the same grid whatever the context lengths): 2 segments x 2 KV heads
+    assert tb.suffix_splits(2, 2, sms=132) == 16  # 4 programs on 132 SMs: capped at MAX_SUFFIX_SPLITS
+    assert tb.suffix_splits(2, 2, sms=1) == 1  # the 4 programs already fill one SM twice
+    assert tb.suffix_splits(2, 2, sms=10) == 4  # ceil(20 / 4) = 5 -> power of two below
+    assert tb.suffix_splits(2, 132, sms=132) == 1  # 264 programs are two waves already
 
 
 def test_unlabelled_groups_are_not_merged():
@@ -118,10 +129,9 @@ def test_cascade_plan_runs():
     segs = [Segment(4, [1], [5], 4, [0], 2), Segment(4, [1], [6], 5, [0], 0), Segment(4, [1], [7], 6, [0], 2),
             Segment(4, [2], [8], 4, [0], 0), Segment(4, [1], [9], 4, [0], 2)]
     _, _, meta = build_metadata(segs, PAGE, DEVICE)
-    order, run_len = tb.cascade_plan(meta)
+    order, run_len = tb.prepare_cascade(meta, (None,)).cascade  # built once per forward, read by every layer
     assert order.tolist() == [1, 3, 0, 2, 4]  # stable sort by group
     assert run_len.tolist() == [1, 1, 3, 0, 0]  # group 0 splits (different prompt blocks), group 2 is one run
-    assert tb.cascade_plan(meta)[0] is order  # cached for the other layers of the forward
 
 
 def test_multi_token_and_sliding_window_use_reference(monkeypatch):
@@ -133,10 +143,9 @@ def test_multi_token_and_sliding_window_use_reference(monkeypatch):
     prefill = [Segment(6, [1, 2], [], 0, [1, 2, 3, 4, 5, 6], 0), Segment(2, [3], [4], 2, [1], 1)]
     _, _, meta = build_metadata(prefill, PAGE, DEVICE)
     q = torch.randn(7, 4, 8, device=DEVICE)
-    assert torch.equal(tb.triton_paged_attention(q, k, v, meta, 0.3), torch_paged_attention(q, k, v, meta, 0.3))
+    assert torch.equal(_triton(q, k, v, meta, 0.3), _reference(q, k, v, meta, 0.3))
     _, _, meta = build_metadata(prefill[1:], PAGE, DEVICE)
-    out = tb.triton_paged_attention(q[:1], k, v, meta, 0.3, sliding_window=2)
-    assert torch.equal(out, torch_paged_attention(q[:1], k, v, meta, 0.3, sliding_window=2))
+    assert torch.equal(_triton(q[:1], k, v, meta, 0.3, 2), _reference(q[:1], k, v, meta, 0.3, 2))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
@@ -146,7 +155,7 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch):
     k, v = _pool(n, 2, 8, torch.float32)
     _, _, meta = build_metadata(segs, PAGE, DEVICE)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        tb.triton_paged_attention(torch.randn(1, 4, 8), k, v, meta, 0.3)
+        _triton(torch.randn(1, 4, 8), k, v, meta, 0.3)
 
 
 def test_engine_greedy_triton_equals_torch():

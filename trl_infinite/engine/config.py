@@ -54,6 +54,17 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": f"Paged attention backend: one of {list(ATTENTION_BACKENDS)}."}
     )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata={"help": "On CUDA, capture the decode step (forward + sampling) in one CUDA graph per batch bucket "
+                  "on first use and replay it every step; recaptured when parameter storage changes. Ignored off "
+                  "CUDA."},
+    )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the static decode step (fullgraph, one graph per batch bucket); works on "
+                  "CPU too. Combined with `cuda_graphs`, the compiled step is what gets captured."},
+    )
     scheduler: str = field(default="fifo", metadata={"help": "Order in which pending samples take free slots."})
     batch_policy: str = field(default="static", metadata={"help": "How many samples run at once."})
     length_predictor: object = field(
@@ -107,6 +118,9 @@ class EngineConfig:
         _positive("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
         _positive("block_size", self.block_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         from .scheduling.registry import BATCH_POLICIES, SCHEDULERS
 
         _choice("scheduler", self.scheduler, tuple(SCHEDULERS))

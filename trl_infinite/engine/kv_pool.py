@@ -20,17 +20,20 @@ def kv_geometry(model_config) -> tuple[int, int, int]:
 
 
 class KVCachePool:
-    """`num_blocks` blocks of `block_size` tokens per layer: `k_cache`/`v_cache` are [L, num_blocks * B, Hkv, D]."""
+    """`num_blocks` usable blocks of `block_size` tokens per layer, plus one null block (id `num_blocks`) that padded
+    decode rows of a static batch write to and read from: `k_caches[l]` / `v_caches[l]` are
+    [(num_blocks + 1) * B, Hkv, D]. The null block is part of the budget."""
 
     def __init__(self, model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device):
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(model_config)
         self.block_size = config.block_size
         self.dtype = dtype
         self.device = device
-        self.num_blocks = self._num_blocks(config)
-        shape = (self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = self._num_blocks(config) - 1
+        self.null_block = self.num_blocks
+        shape = ((self.num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
 
     @property
@@ -49,12 +52,28 @@ class KVCachePool:
             n, field = int(free * config.kv_cache_fraction // self.block_bytes), "kv_cache_fraction"
         else:
             n, field = config.default_cpu_kv_tokens // self.block_size, "default_cpu_kv_tokens"
-        if n < 1:
+        if n < 2:
             raise ValueError(
-                f"`{field}` gives a KV pool of less than one block ({self.block_size} tokens, {self.block_bytes} bytes); "
-                "raise it."
+                f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, {self.block_bytes} "
+                "bytes each; one is the null block of padded decode rows); raise it."
             )
         return n
 
     def reset(self) -> None:
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        ids = torch.tensor(blocks, device=self.device)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
+
+    def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of the K/V of `blocks`, per layer (divided rollout's host tier)."""
+        slots = self._slots(blocks)
+        return [(k[slots].cpu(), v[slots].cpu()) for k, v in zip(self.k_caches, self.v_caches)]
+
+    def copy_in(self, blocks: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write host copies from `copy_out` back into (possibly other) `blocks`."""
+        slots = self._slots(blocks)
+        for (k, v), (hk, hv) in zip(zip(self.k_caches, self.v_caches), saved):
+            k[slots] = hk.to(self.device)
+            v[slots] = hv.to(self.device)

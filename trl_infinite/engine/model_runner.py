@@ -1,43 +1,70 @@
-"""Runs a Hugging Face causal LM over packed segments of the paged KV pool."""
+"""Runs a Hugging Face causal LM over the paged KV pool: packed host-built segments, or a static decode batch."""
 
 from __future__ import annotations
 
 import torch
 
-from .attention import PagedContext, Segment, attention_configs, build_metadata, paged_attention, resolve_backend
+from .attention import (
+    PagedAttentionMetadata,
+    PagedContext,
+    Segment,
+    attention_configs,
+    build_metadata,
+    paged_attention,
+    resolve_backend,
+    sliding_windows,
+)
 from .kv_pool import KVCachePool
 
 
 class ModelRunner:
-    """One forward = one packed batch of segments; returns the logits of the requested query tokens only."""
+    """One forward = one packed batch; returns the logits of the requested query tokens only."""
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str):
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.backend = resolve_backend(attention_backend, self.device)
-        self._attn_configs = attention_configs(model)
+        self.mask_keys = sliding_windows(model)
+        self.attn_configs = attention_configs(model)
+
+    def routed(self):
+        """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
+        return paged_attention(self.model, self.attn_configs)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [1, T]
+        positions: torch.Tensor,  # [1, T]
+        meta: PagedAttentionMetadata,
+        logits_to_keep: torch.Tensor | int,  # [R] query indices whose logits are needed, or 0 for all
+        output_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
+        Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
+        meta = self.backend.prepare(meta, self.mask_keys)
+        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.backend.attend)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            paged_ctx=ctx,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=output_hidden,
+        )
+        hidden = None
+        if output_hidden:
+            last = out.hidden_states[-1][0]
+            hidden = last if isinstance(logits_to_keep, int) else last[logits_to_keep]
+        return out.logits[0], hidden
 
     @torch.no_grad()
-    def forward(self, segments: list[Segment], logit_rows: torch.Tensor | None, output_hidden: bool = False):
-        """`logit_rows`: indices into the packed query tokens whose logits are needed ([R]); None = none.
-
-        Returns (logits [R, V] or None, last hidden states [R, hidden] when `output_hidden`)."""
+    def forward(self, segments: list[Segment], logit_rows: torch.Tensor, output_hidden: bool = False):
+        """Eager forward of host-side segments; `logit_rows` [R] indexes the packed query tokens whose logits are
+        needed. Returns (logits [R, V], hidden [R, hidden] or None)."""
         input_ids, positions, meta = build_metadata(segments, self.pool.block_size, self.device)
-        ctx = PagedContext(self.pool.k_cache, self.pool.v_cache, meta, self.backend)
-        keep = logit_rows.to(self.device) if logit_rows is not None else torch.zeros(1, dtype=torch.long, device=self.device)
-        with paged_attention(self.model, self._attn_configs):
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                use_cache=False,
-                paged_ctx=ctx,
-                logits_to_keep=keep,
-                output_hidden_states=output_hidden,
-            )
-        logits = out.logits[0] if logit_rows is not None else None
-        hidden = out.hidden_states[-1][0, keep] if output_hidden else None
-        return logits, hidden
+        with self.routed():
+            return self.run(input_ids, positions, meta, logit_rows.to(self.device), output_hidden)
 
 
 def last_rows(segments: list[Segment]) -> torch.Tensor:

@@ -50,9 +50,20 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 33)
 
 
-def row_keys(seed: int, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """One int64 key per row from (seed, prompt, sample, position, stream). All inputs [N] int64."""
-    k = mix64(torch.full_like(group_ids, _signed(seed * 0x9E3779B97F4A7C15 + stream + 1)))
+def seed_base(seed: int, stream: int = STREAM_SAMPLE) -> int:
+    """The per-(seed, stream) start of every key, as a signed int64 (host side: static decode takes it as a tensor,
+    so a new seed changes a buffer, not the captured graph)."""
+    return _signed(seed * 0x9E3779B97F4A7C15 + stream + 1)
+
+
+def row_keys(seed, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor, stream: int = 0,
+             ) -> torch.Tensor:
+    """One int64 key per row from (seed, prompt, sample, position, stream). All inputs [N] int64. `seed` is an int,
+    or a 0-d int64 tensor holding `seed_base(seed, stream)` (then `stream` is already folded in)."""
+    if isinstance(seed, torch.Tensor):
+        k = mix64(seed.expand_as(group_ids))
+    else:
+        k = mix64(torch.full_like(group_ids, seed_base(seed, stream)))
     for part in (group_ids, sample_ids, positions):
         k = mix64(k ^ (part * _GOLDEN))
     return k
@@ -71,16 +82,19 @@ def gumbel_argmax(logprobs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logprobs - torch.log(-torch.log(u)), dim=-1)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
-    """transformers' rule on every token already in the context: negative logits * penalty, positive / penalty.
-    `history` is [N, L] token ids padded with -1."""
+def seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, L] token ids padded with -1 -> [N, V] bool: which ids occur in each row's context."""
+    # padding (-1) goes to a spare column V: scattering it onto id 0 would race with real occurrences of token 0
+    seen = torch.zeros(history.shape[0], vocab + 1, dtype=torch.bool, device=history.device)
+    seen.scatter_(1, torch.where(history >= 0, history, vocab), True)
+    return seen[:, :vocab]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' rule on every token already in the context (`seen` [N, V] bool): negative logits * penalty,
+    positive ones / penalty."""
     if penalty == 1.0:
         return logits
-    # padding (-1) goes to a spare column V: scattering it onto id 0 would race with real occurrences of token 0
-    vocab = logits.shape[-1]
-    seen = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, torch.where(history >= 0, history, vocab), True)
-    seen = seen[:, :vocab]
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalized, logits)
 
@@ -102,11 +116,24 @@ class Sampler:
                 warpers.append(MinPLogitsWarper(min_p=params.min_p))
         self.warpers = LogitsProcessorList(warpers)
 
-    def process(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, V] raw logits -> [N, V] float32 log-probabilities of the distribution actually sampled from."""
+    @property
+    def params_key(self) -> tuple:
+        """What processing and sampling depend on (not the seed, EOS ids or lengths): static decode is keyed on it."""
+        p = self.params
+        return (p.greedy, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+
+    @property
+    def uses_context(self) -> bool:
+        """Whether processing needs the ids already in each row's context (the repetition penalty)."""
+        return self.params.repetition_penalty != 1.0
+
+    def process(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] raw logits -> [N, V] float32 log-probabilities of the distribution actually sampled from.
+        `seen` [N, V] bool marks the ids in each row's context, for the repetition penalty (`uses_context`); a
+        drafter, whose distribution only has to be known, may leave it out."""
         scores = logits.float()
-        if history is not None:
-            scores = apply_repetition_penalty(scores, history, self.params.repetition_penalty)
+        if self.uses_context and seen is not None:
+            scores = apply_repetition_penalty(scores, seen, self.params.repetition_penalty)
         scores = self.warpers(None, scores)
         return torch.log_softmax(scores, dim=-1)
 

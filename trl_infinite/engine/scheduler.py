@@ -3,7 +3,8 @@
 Each step it (1) makes sure every running sample has blocks for the tokens it will write, preempting when the pool
 is short, (2) admits waiting samples as the sampling mode, the admission policy and the free blocks allow, and
 (3) hands a `ScheduledBatch` to an executor (the model runner, or the simulator's trace replayer). The executor's
-tokens come back through `postprocess`, which finishes samples and frees their blocks at once.
+`StepOutput` comes back through `postprocess`: the first tokens of the prompts prefilled in the step (one per
+sample of the group), then one or more tokens per decode row; samples finish and free their blocks at once.
 
 A prompt's blocks are allocated when its first sample is admitted and stay resident until all G samples of the
 group finished; a sample owns only the blocks of its own completion tokens.
@@ -20,16 +21,30 @@ from .sequence import Group, SeqStatus, Sequence
 
 @dataclass
 class ScheduledBatch:
-    """One step of work. `decode` holds every running sample (fresh ones included) in slot order."""
+    """One step of work. `decode` holds every running sample that has a token to feed (all but those whose prompt
+    is prefilled in this very step: they get their first token from it and decode from the next step)."""
 
     prefill_groups: list[Group] = field(default_factory=list)  # prompts to prefill (blocks already allocated)
-    recompute: list[Sequence] = field(default_factory=list)  # re-run output_ids[num_cached:-1] into the cache
-    fresh: list[Sequence] = field(default_factory=list)  # first token comes from the group's prompt logits
+    recompute: list[Sequence] = field(default_factory=list)  # re-run prompt + output_ids[:-1] into the cache
     decode: list[Sequence] = field(default_factory=list)
     lookahead: int = 0  # extra KV slots reserved per sample (speculative drafts)
     # divided rollout's host tier: copy these blocks' KV out to host (before anything runs), then back in
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What an executor returns for one `ScheduledBatch`.
+
+    `first_tokens[i]` / `first_logprobs[i]`: the first token of every sample of `batch.prefill_groups[i]` that has
+    none yet (in sample order); `tokens[r]` / `logprobs[r]`: the tokens emitted by decode row r (`batch.decode`
+    order; several with speculative decoding; the scheduler keeps them up to the sample's end)."""
+
+    first_tokens: list[list[int]] = field(default_factory=list)
+    first_logprobs: list[list[float]] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +99,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_samples(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.finished)
+
     def view(self) -> SchedulerView:
         return SchedulerView(
             running=self.running,
@@ -102,7 +121,7 @@ class Scheduler:
         self._admit(batch, lookahead)
         if not self.running and self.waiting:
             raise RuntimeError("no sample could be scheduled although the pool was checked up front (bug).")
-        batch.decode = list(self.running)
+        batch.decode = [s for s in self.running if s.output_ids]
         batch.swap_out, self._swap_out = self._swap_out, []
         self.counters.steps += 1
         self.counters.running_sum += len(self.running)
@@ -111,7 +130,8 @@ class Scheduler:
         return batch
 
     def _own_blocks_needed(self, seq: Sequence, lookahead: int) -> int:
-        # KV slots for every output token (a fresh sample gets its first token before the forward) + drafts.
+        # KV slots for every output token (the last one's KV is written by this step's forward) + drafts; a sample
+        # without tokens yet reserves the slot of its first token.
         return blocks_for(max(seq.num_generated, 1) + lookahead, self.block_size)
 
     def _grow_running(self, lookahead: int) -> None:
@@ -182,7 +202,6 @@ class Scheduler:
         resumed = self._resume_kv(seq, batch, lookahead)
         if not resumed:
             seq.blocks = self.allocator.allocate(self._own_blocks_needed(seq, lookahead))
-            seq.num_cached = 0
         seq.status = SeqStatus.RUNNING
         seq.admit_order = self._admit_counter
         seq.chunk_start = seq.num_generated
@@ -190,9 +209,7 @@ class Scheduler:
         group.num_running += 1
         self.waiting.remove(seq)
         self.running.append(seq)
-        if seq.is_fresh:
-            batch.fresh.append(seq)
-        elif seq.num_generated > 1 and not resumed:
+        if seq.num_generated > 1 and not resumed:
             batch.recompute.append(seq)
 
     # ------------------------------------------------------------------ divided rollout
@@ -242,7 +259,6 @@ class Scheduler:
         """Free the sample's own blocks and put it back in the queue; its tokens are kept (recompute later)."""
         self.allocator.free(seq.blocks)
         seq.blocks = []
-        seq.num_cached = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         seq.group.num_running -= 1
@@ -256,13 +272,17 @@ class Scheduler:
         self.counters.prompt_evictions += 1
 
     def finish(self, seq: Sequence) -> None:
+        """A running sample ended, or a waiting one whose first token (from its prompt's prefill) ended it."""
         self.allocator.free(seq.blocks)
         seq.blocks = []
-        seq.status = SeqStatus.FINISHED
         group = seq.group
-        group.num_running -= 1
+        if seq.status is SeqStatus.RUNNING:
+            group.num_running -= 1
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
         group.num_finished += 1
-        self.running.remove(seq)
         self.finished.append(seq)
         if group.done and group.resident:
             self.allocator.free(group.prompt_blocks)
@@ -270,9 +290,14 @@ class Scheduler:
         self.policy.on_finish(seq)
         self.admission.on_finish(seq)
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[list[int]], logprobs: list[list[float]]) -> None:
-        """Append each decode sample's new tokens (stopping at its end), roll back unused lookahead blocks."""
-        for seq, toks, lps in zip(batch.decode, tokens, logprobs):
+    def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        """Append the step's tokens through `Sequence.append_token` (the one stop rule), finish the samples that
+        ended, roll back unused lookahead blocks, and return samples that reached their chunk to the queue."""
+        for group, toks, lps in zip(batch.prefill_groups, out.first_tokens, out.first_logprobs):
+            for seq, t, lp in zip(group.pending_first(), toks, lps):
+                if seq.append_token(t, lp):
+                    self.finish(seq)
+        for seq, toks, lps in zip(batch.decode, out.tokens, out.logprobs):
             done = False
             for t, lp in zip(toks, lps):
                 done = seq.append_token(t, lp)
@@ -281,7 +306,6 @@ class Scheduler:
             if done:
                 self.finish(seq)
                 continue
-            seq.num_cached = seq.num_generated - 1
             keep = blocks_for(seq.num_generated, self.block_size)
             if len(seq.blocks) > keep:
                 self.allocator.free(seq.blocks[keep:])

@@ -24,6 +24,7 @@ class Group:
     prompt_ids: list[int]
     num_generations: int
     prompt_blocks: list[int] = field(default_factory=list)  # empty while the prompt is not resident
+    samples: list[Sequence] = field(default_factory=list)  # its G samples, in sample order
     num_finished: int = 0
     num_running: int = 0
 
@@ -39,6 +40,10 @@ class Group:
     def done(self) -> bool:
         return self.num_finished == self.num_generations
 
+    def pending_first(self) -> list[Sequence]:
+        """Samples still without a token: they take their first one from this prompt's prefill."""
+        return [s for s in self.samples if not s.output_ids]
+
 
 _seq_counter = itertools.count()
 
@@ -47,8 +52,9 @@ _seq_counter = itertools.count()
 class Sequence:
     """One sample of a group. Its KV = the group's prompt blocks + its own completion blocks (`blocks`).
 
-    Invariant while RUNNING: the KV of `output_ids[:num_cached]` is in `blocks`; the last output token (if any) is
-    the next decode input and is not cached yet.
+    Every sample gets its first token when its prompt is prefilled (all G at once, from the prompt's last logits),
+    so a decoding sample always has at least one output token: the last one is the next decode input, at position
+    `num_tokens - 1`, and its KV is not cached yet. `append_token` is the one stop rule.
     """
 
     group: Group
@@ -60,7 +66,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    num_cached: int = 0
     status: SeqStatus = SeqStatus.WAITING
     admit_order: int = -1
     num_preemptions: int = 0
@@ -85,19 +90,8 @@ class Sequence:
         return self.prompt_len + len(self.output_ids)
 
     @property
-    def is_fresh(self) -> bool:
-        """Not started yet: its first token is sampled from the group's prompt logits."""
-        return not self.output_ids
-
-    @property
     def length_limit(self) -> int:
         return self.max_new_tokens if self.forced_length is None else min(self.forced_length, self.max_new_tokens)
-
-    def ends_with_first(self, token: int) -> bool:
-        """Whether `token`, as this fresh sample's first completion token, would finish it (no decode row needed)."""
-        if self.forced_length is None and token in self.eos_token_ids:
-            return True
-        return self.length_limit <= 1
 
     def append_token(self, token: int, logprob: float = 0.0) -> bool:
         """Append one sampled token; returns True when this token finishes the sample."""
@@ -110,3 +104,13 @@ class Sequence:
             self.finish_reason = "stop" if self.forced_length is not None else "length"
             return True
         return False
+
+
+def make_group(group_id: int, prompt_ids: list[int], num_generations: int, max_new_tokens: int,
+               eos_token_ids: frozenset[int] = frozenset(), forced_lengths: list[int] | None = None) -> Group:
+    """A prompt and its G samples (`forced_lengths[j]` fixes sample j's length, EOS ignored)."""
+    group = Group(group_id=group_id, prompt_ids=list(prompt_ids), num_generations=num_generations)
+    for j in range(num_generations):
+        forced = forced_lengths[j] if forced_lengths is not None else None
+        group.samples.append(Sequence(group, j, max_new_tokens, eos_token_ids, forced_length=forced))
+    return group

@@ -1,8 +1,8 @@
-"""Replay length traces through exactly the engine's `Scheduler` + policies with a trace executor.
+"""Replay length traces through exactly the engine's drive loop, `Scheduler` and policies with a trace executor.
 
-The executor plays the model: each decode sample gets one token per step (a fresh sample two: its first token comes
-from the prompt's cached logits, as in the engine), and a sample ends after its traced length (`forced_length`).
-Everything else — admission, block accounting, preemption, divided rollout, the policies — is the engine's code.
+The executor plays the model: each prefilled prompt gives every sample of its group its first token, each decode row
+gets one token per step, and a sample ends after its traced length (`forced_length`). Everything else — the loop,
+admission, block accounting, preemption, divided rollout, the policies — is the engine's code.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine.block_manager import BlockAllocator, blocks_for
-from ..engine.scheduler import ScheduledBatch, Scheduler
+from ..engine.loop import drive
+from ..engine.outputs import RolloutStats
+from ..engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from ..engine.scheduling.factory import build_policies, build_predictor
 from ..engine.scheduling.predictors import LengthPredictor
-from ..engine.sequence import Group, Sequence
+from ..engine.sequence import Group, make_group
 from ..utils.traces import TraceRecord
 
 
@@ -54,8 +56,8 @@ class SimResult:
 
 
 def step_cost(length: int) -> int:
-    """Decode steps one sample occupies a slot: its first two tokens come out of its first step."""
-    return max(1, length - 1)
+    """Decode rows one sample needs: its first token comes from its prompt's prefill, each further one from a row."""
+    return length - 1
 
 
 def oracle_bound(lengths: list[int], slots: int) -> int:
@@ -65,35 +67,39 @@ def oracle_bound(lengths: list[int], slots: int) -> int:
 
 
 class TraceExecutor:
-    """Plays the model for one `ScheduledBatch`. `features[(prompt_index, sample_idx)]` (optional) is the hidden
-    state at completion token k, handed to the predictor exactly when the engine would (input token index == k)."""
+    """Plays the model for the drive loop. `features[(prompt_index, sample_idx)]` (optional) is the hidden state at
+    completion token k, handed to the predictor exactly when the engine would (the row's input is token k)."""
 
-    def __init__(self, prefix_k: int | None, features: dict | None):
+    def __init__(self, prefix_k: int | None, features: dict | None, prompt_index: dict[int, int]):
         self.prefix_k = prefix_k
         self.features = features or {}
+        self.prompt_index = prompt_index  # group_id -> the trace's prompt index
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
-        tokens = []
+    def lookahead(self, num_running: int) -> int:
+        return 0
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        out = StepOutput()
+        for group in batch.prefill_groups:
+            n = len(group.pending_first())
+            out.first_tokens.append([0] * n)
+            out.first_logprobs.append([0.0] * n)
         for seq in batch.decode:
-            index = 1 if seq.is_fresh else seq.num_generated  # completion index of this step's input token
-            if index == self.prefix_k:
-                feat = self.features.get((seq.extra["prompt_index"], seq.sample_idx))
+            if seq.num_generated == self.prefix_k:
+                feat = self.features.get((self.prompt_index[seq.group_id], seq.sample_idx))
                 if feat is not None:
                     seq.extra["prefix_hidden"] = feat
-            tokens.append([0, 0] if seq.is_fresh else [0])
-        return tokens, [[0.0] * len(t) for t in tokens]
+        out.tokens = [[0] for _ in batch.decode]
+        out.logprobs = [[0.0] for _ in batch.decode]
+        return out
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        pass
 
 
-def _requests(records: list[TraceRecord], max_new: int) -> tuple[list[Group], list[Sequence]]:
-    groups, seqs = [], []
-    for i, rec in enumerate(records):
-        group = Group(group_id=i, prompt_ids=[0] * rec.prompt_len, num_generations=len(rec.lengths))
-        groups.append(group)
-        for j, n in enumerate(rec.lengths):
-            seq = Sequence(group, j, max_new_tokens=max_new, forced_length=n)
-            seq.extra.update(true_length=min(n, max_new), prompt_index=rec.prompt_index)
-            seqs.append(seq)
-    return groups, seqs
+def _requests(records: list[TraceRecord], max_new: int) -> list[Group]:
+    return [make_group(i, [0] * rec.prompt_len, len(rec.lengths), max_new, forced_lengths=rec.lengths)
+            for i, rec in enumerate(records)]
 
 
 def simulate(
@@ -109,28 +115,23 @@ def simulate(
     for start in range(0, len(records), config.prompts_per_call):
         chunk = records[start : start + config.prompts_per_call]
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
-        groups, seqs = _requests(chunk, max_new)
+        groups = _requests(chunk, max_new)
+        seqs = [s for g in groups for s in g.samples]
         allocator = BlockAllocator(_pool_blocks(chunk, config, max_new), config.block_size)
         slot_limit = None if config.sampling_mode in ("full_group", "dynamic_slot") else config.slots
         policy, admission = build_policies(config.scheduler, config.batch_policy, predictor, num_slots=config.slots,
                                            fptas_epsilon=config.fptas_epsilon)
         sched = Scheduler(allocator, policy, admission, config.sampling_mode, slot_limit, config.chunk_tokens)
         sched.submit(groups, seqs)
-        executor = TraceExecutor(getattr(policy.predictor, "prefix_k", None) if hasattr(policy, "predictor")
-                                 else None, features)
-        steps = 0
-        while sched.has_unfinished():
-            batch = sched.schedule()
-            tokens, logprobs = executor.run(batch)
-            # as in the engine, a fresh sample ended by its first token takes no decode row
-            if any(not s.is_fresh or not s.ends_with_first(0) for s in batch.decode):
-                steps += 1
-                if len(sched.finished) >= 0.9 * len(seqs):
-                    out.tail_steps += 1
-            sched.postprocess(batch, tokens, logprobs)
+        uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden
+        executor = TraceExecutor(predictor.prefix_k if uses else None, features,
+                                 {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)})
+        stats = RolloutStats()
+        drive(sched, executor, stats)
         c = sched.counters
-        out.per_call_steps.append(steps)
-        out.decode_steps += steps
+        out.per_call_steps.append(stats.decode_steps)
+        out.decode_steps += stats.decode_steps
+        out.tail_steps += stats.tail_decode_steps
         active_sum += c.running_sum
         out.peak_kv_blocks = max(out.peak_kv_blocks, allocator.peak_used)
         out.num_kv_blocks = allocator.num_blocks
@@ -138,7 +139,7 @@ def simulate(
         out.offloaded_blocks += c.offloaded_blocks
         out.generated_tokens += sum(s.num_generated for s in seqs)
         out.num_samples += len(seqs)
-        out.lengths_preserved &= all(s.num_generated == s.extra["true_length"] for s in seqs)
+        out.lengths_preserved &= all(s.num_generated == s.length_limit for s in seqs)
     out.mean_active = active_sum / out.decode_steps if out.decode_steps else 0.0
     out.prediction_mae = predictor.mae
     return out

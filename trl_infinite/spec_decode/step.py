@@ -1,8 +1,10 @@
 """`SpeculativeStep`: the decode part of an engine step with drafting and one verification forward.
 
-Each decode sample's segment is `[pending token, d_1 .. d_k]` (pending = the last emitted token, whose KV is not
-cached yet). The forward writes the KV of all k+1 positions; rejected positions are simply overwritten later, and
-the scheduler trims the blocks reserved for drafts back to the emitted length (`lookahead`).
+Each decode sample's segment is `[pending token, d_1 .. d_k]` (pending = the last emitted token, at position
+`num_tokens - 1`, whose KV is not cached yet). The forward writes the KV of all k+1 positions; rejected positions
+are simply overwritten later, and the scheduler trims the blocks reserved for drafts back to the emitted length
+(`lookahead`). The step returns every verified token; the scheduler keeps them up to the sample's end
+(`Sequence.append_token`), and the drafter then learns what was actually kept (`after_step`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import torch
 
 from ..engine.attention import Segment
 from ..engine.config import EngineConfig, SamplingParams
-from ..engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, row_keys
-from ..engine.sequence import Sequence
+from ..engine.executor import StepContext
+from ..engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, row_keys, seen_mask
+from ..engine.scheduler import ScheduledBatch
+from ..engine.sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
 from .drafter import EMPTY, Drafter, Proposal, build_drafter
 from .verify import Verified, verify_greedy, verify_sampling
@@ -37,65 +41,66 @@ class Speculator:
     def max_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
-    def begin(self, sampling: SamplingParams) -> SpeculativeStep:
+    def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
         drafter = build_drafter(
             self.config.speculative_method, config=self.config, device=self.device, sampling=sampling, **self.extras
         )
-        return SpeculativeStep(self, drafter, sampling)
+        return SpeculativeStep(ctx, self, drafter, sampling)
 
 
 class SpeculativeStep:
-    """Per-`generate` state: drafter, acceptance tracker. `run` replaces `_Step`'s plain decode."""
+    """Per-`generate` state: drafter, acceptance tracker. `run` replaces the executor's plain decode forward."""
 
-    def __init__(self, spec: Speculator, drafter: Drafter, sampling: SamplingParams):
+    def __init__(self, ctx: StepContext, spec: Speculator, drafter: Drafter, sampling: SamplingParams):
+        self.ctx = ctx
         self.spec = spec
         self.drafter = drafter
         self.greedy = sampling.greedy
         self.tracker = AcceptanceTracker()
         self.verified_rows = 0
+        self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen
 
     def lookahead(self, num_running: int) -> int:
         """KV slots to reserve per sample for drafts next step."""
         return self.spec.max_tokens
 
     # ------------------------------------------------------------------ one step
-    def run(self, step, batch, first: dict[int, int], first_lp: dict[int, float]):
+    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
+        """Draft, verify in one forward, return each row's accepted drafts + correction/bonus token."""
         seqs = batch.decode
-        pending = [first.get(s.seq_id, s.output_ids[-1] if s.output_ids else None) for s in seqs]
-        self._sync_drafter(seqs, first)
-        proposals = self._draft(seqs, first, batch.lookahead)
-        drafts = [p.tokens for p in proposals]
-        start = [s.prompt_len if s.seq_id in first else s.num_tokens - 1 for s in seqs]
-        segments = [self._segment(s, [t] + d, pos) for s, t, d, pos in zip(seqs, pending, drafts, start)]
-        t0 = time.perf_counter()
-        n_query = sum(len(seg.tokens) for seg in segments)
-        logits, _ = step.runner.forward(segments, torch.arange(n_query))
-        verified = self._verify(step, seqs, first, pending, proposals, start, logits)
-        toks, lps, n_acc = _to_host(verified)
-        self._observe(step.stats, seqs, drafts, n_acc, time.perf_counter() - t0)
-        tokens, logprobs = [], []
-        for s, row, lp_row, n in zip(seqs, toks, lps, n_acc):
-            emitted, emitted_lp = _until_end(s, row[: n + 1], lp_row[: n + 1], first.get(s.seq_id))
-            self._after_emit(s, emitted, s.seq_id in first)
-            if s.seq_id in first:
-                emitted, emitted_lp = [first[s.seq_id]] + emitted, [first_lp[s.seq_id]] + emitted_lp
-            tokens.append(emitted)
-            logprobs.append(emitted_lp)
-        return tokens, logprobs
-
-    # -- drafting
-    def _sync_drafter(self, seqs: list[Sequence], first: dict[int, int]) -> None:
         for s in seqs:
             if not self.drafter.started(s):
                 self.drafter.start(s)
-            if s.seq_id in first:
-                self.drafter.update(s, [first[s.seq_id]])
+                self.known[s.seq_id] = s.num_generated
+        proposals = self._draft(seqs, batch.lookahead)
+        drafts = [p.tokens for p in proposals]
+        start = [s.num_tokens - 1 for s in seqs]
+        segments = [self._segment(s, [s.output_ids[-1]] + d, pos) for s, d, pos in zip(seqs, drafts, start)]
+        t0 = time.perf_counter()
+        n_query = sum(len(seg.tokens) for seg in segments)
+        logits, _ = self.ctx.runner.forward(segments, torch.arange(n_query))
+        verified = self._verify(seqs, proposals, start, logits)
+        toks, lps, n_acc = _to_host(verified)
+        self._observe(seqs, drafts, n_acc, time.perf_counter() - t0)
+        return [row[: n + 1] for row, n in zip(toks, n_acc)], [row[: n + 1] for row, n in zip(lps, n_acc)]
 
-    def _draft(self, seqs: list[Sequence], first: dict[int, int], lookahead: int) -> list[Proposal]:
-        caps = []
-        for s in seqs:
-            generated = s.num_generated + (1 if s.seq_id in first else 0)
-            caps.append(max(0, min(lookahead, s.length_limit - generated - 1)))
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Tell the drafter the tokens the scheduler kept; forget finished samples."""
+        for s in batch.decode:
+            if s.seq_id not in self.known:
+                continue
+            new = s.output_ids[self.known[s.seq_id]:]
+            self.known[s.seq_id] = s.num_generated
+            if new:
+                self.drafter.update(s, new)
+            if s.status is SeqStatus.FINISHED:
+                self.drafter.stop(s)
+                self.tracker.forget(s.seq_id)
+                del self.known[s.seq_id]
+
+    # -- drafting
+    def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
+        caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
         ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.config.speculative_adaptive)
         if not any(ks):
@@ -109,15 +114,14 @@ class SpeculativeStep:
         return Segment(g.prompt_len, g.prompt_blocks, seq.blocks, pos, tokens, g.group_id)
 
     # -- verification
-    def _verify(self, step, seqs, first, pending, proposals, start, logits) -> Verified:
+    def _verify(self, seqs, proposals, start, logits) -> Verified:
         device = logits.device
         drafts = [p.tokens for p in proposals]
         k = max(len(d) for d in drafts)
         lens = torch.tensor([len(d) for d in drafts], device=device)
-        history = None
-        if step.sampler.params.repetition_penalty != 1.0:
-            history = _history_rows(seqs, first, drafts).to(device)
-        p_flat = step.sampler.process(logits, history)  # [T, V]
+        sampler = self.ctx.sampler
+        seen = seen_mask(_history_rows(seqs, drafts).to(device), logits.shape[-1]) if sampler.uses_context else None
+        p_flat = sampler.process(logits, seen)  # [T, V]
         offsets = torch.tensor([0] + [len(d) + 1 for d in drafts][:-1], device=device).cumsum(0)
         cols = torch.arange(k + 1, device=device)
         idx = offsets[:, None] + torch.minimum(cols[None, :], lens[:, None])  # [N, K+1] (padding repeats the last)
@@ -126,22 +130,21 @@ class SpeculativeStep:
         d = d.view(len(drafts), k)  # [N, K]
         if self.greedy:
             return verify_greedy(p, d, lens)
-        keys = [self._keys(step, seqs, start, k, stream) for stream in (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE)]
+        keys = [self._keys(seqs, start, k, stream) for stream in (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE)]
         return verify_sampling(p, d, lens, *keys, q=_draft_logprobs(proposals, k, p.shape[-1], device))
 
-    @staticmethod
-    def _keys(step, seqs, start, k: int, stream: int) -> torch.Tensor:
+    def _keys(self, seqs, start, k: int, stream: int) -> torch.Tensor:
         """[N, K+1] keys of emitted positions start+1 .. start+1+K."""
         n = len(seqs)
-        dev = step.device
+        dev = self.ctx.device
         pos = torch.tensor(start, device=dev)[:, None] + 1 + torch.arange(k + 1, device=dev)[None, :]
         g = torch.tensor([s.group_id for s in seqs], device=dev)[:, None].expand(n, k + 1)
         i = torch.tensor([s.sample_idx for s in seqs], device=dev)[:, None].expand(n, k + 1)
-        return row_keys(step.seed, g.reshape(-1), i.reshape(-1), pos.reshape(-1), stream).view(n, k + 1)
+        return row_keys(self.ctx.seed, g.reshape(-1), i.reshape(-1), pos.reshape(-1), stream).view(n, k + 1)
 
     # -- bookkeeping
-    def _observe(self, stats, seqs, drafts, n_acc, seconds: float) -> None:
-        stats.decode_steps += 1
+    def _observe(self, seqs, drafts, n_acc, seconds: float) -> None:
+        stats = self.ctx.stats
         num_drafts = sum(len(d) for d in drafts)
         self.spec.cost.observe(len(seqs), num_drafts, seconds)
         if num_drafts == 0:
@@ -155,12 +158,6 @@ class SpeculativeStep:
                 stats.accepted_tokens += n
         stats.mean_acceptance_length = (stats.accepted_tokens + self.verified_rows) / self.verified_rows
 
-    def _after_emit(self, seq: Sequence, emitted: list[int], fresh: bool) -> None:
-        self.drafter.update(seq, emitted)
-        if _finishes(seq, emitted, fresh):
-            self.drafter.stop(seq)
-            self.tracker.forget(seq.seq_id)
-
 
 def _to_host(v: Verified) -> tuple[list[list[int]], list[list[float]], list[int]]:
     """One device->host copy per step: tokens (exact in float64), log-probs and accepted counts together."""
@@ -169,33 +166,11 @@ def _to_host(v: Verified) -> tuple[list[list[int]], list[list[float]], list[int]
     return ([[int(t) for t in r[:k1]] for r in rows], [r[k1 : 2 * k1] for r in rows], [int(r[-1]) for r in rows])
 
 
-def _until_end(seq: Sequence, tokens: list[int], lps: list[float], first: int | None):
-    """Cut the emitted tokens after the first EOS or at the length limit (what `append_token` will keep).
-    `first` is a fresh sample's first token (sampled before the forward), None otherwise."""
-    room = seq.length_limit - seq.num_generated - (0 if first is None else 1)
-    if first is not None and seq.forced_length is None and first in seq.eos_token_ids:
-        room = 0
-    tokens, lps = tokens[:room], lps[:room]
-    if seq.forced_length is None:
-        for i, t in enumerate(tokens):
-            if t in seq.eos_token_ids:
-                return tokens[: i + 1], lps[: i + 1]
-    return tokens, lps
-
-
-def _finishes(seq: Sequence, emitted: list[int], fresh: bool) -> bool:
-    if emitted and seq.forced_length is None and emitted[-1] in seq.eos_token_ids:
-        return True
-    if not emitted and fresh:
-        return True  # the first token ended the sample
-    return seq.num_generated + len(emitted) + (1 if fresh else 0) >= seq.length_limit
-
-
-def _history_rows(seqs, first, drafts) -> torch.Tensor:
+def _history_rows(seqs, drafts) -> torch.Tensor:
     """[T, L] context token ids of every verified row (row j of a sample also sees drafts d_1..d_j), -1 padded."""
     rows = []
     for s, d in zip(seqs, drafts):
-        base = s.group.prompt_ids + s.output_ids + ([first[s.seq_id]] if s.seq_id in first else [])
+        base = s.group.prompt_ids + s.output_ids
         rows.extend(base + d[:j] for j in range(len(d) + 1))
     out = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.long)
     for i, r in enumerate(rows):

@@ -74,6 +74,16 @@ class InfiniteGRPOConfig(GRPOConfig):
         default=_default("attention_backend"),
         metadata={"help": f"Paged attention kernel: one of {list(ATTENTION_BACKENDS)} (`auto` picks the fastest)."},
     )
+    rollout_cuda_graphs: bool = field(
+        default=_default("cuda_graphs"),
+        metadata={"help": "On CUDA, capture the decode step in one CUDA graph per batch bucket and replay it (recaptured "
+                  "when parameter storage changes, e.g. ZeRO-3/FSDP gathers)."},
+    )
+    rollout_compile: bool = field(
+        default=_default("compile"),
+        metadata={"help": "torch.compile the static decode step (fullgraph); with CUDA graphs the compiled step is "
+                  "captured."},
+    )
     rollout_scheduler: str = field(
         default=_default("scheduler"),
         metadata={"help": "Scheduling policy (registry name) deciding which pending sample takes a free slot."},

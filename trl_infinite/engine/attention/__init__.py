@@ -3,8 +3,10 @@
 `PAGED_ATTENTION_NAME` is registered with `transformers.AttentionInterface`; while the engine runs a forward, the
 model's `config._attn_implementation` points at it and the forward kwargs carry a `PagedContext` (`paged_ctx=`).
 The function writes the new keys/values into the pool at `slot_mapping`, then calls the selected backend, which
-only reads the pool. Backends share one signature:
-`backend(query [T, H, D], k_cache [slots, Hkv, D], v_cache, meta, scale, sliding_window) -> [T, H, D]`.
+only reads the pool. A backend is a pair of functions:
+- `prepare(meta, mask_keys) -> meta`, run once per forward, adds what every layer will reuse (context slots and
+  masks, the cascade plan);
+- `attend(query [T, H, D], k_cache [slots, Hkv, D], v_cache, meta, scale, sliding_window) -> [T, H, D]`, per layer.
 """
 
 from __future__ import annotations
@@ -17,20 +19,33 @@ import torch
 from transformers import AttentionInterface
 
 from ...utils.registry import Registry
-from .metadata import PagedAttentionMetadata, Segment, build_metadata
+from .metadata import MaskKey, PagedAttentionMetadata, Segment, build_metadata, decode_metadata, with_context
 from .torch_backend import torch_paged_attention
 
 PAGED_ATTENTION_NAME = "trl_infinite_paged"
-ATTENTION_BACKEND_FNS: Registry[Callable] = Registry("attention_backend")
-ATTENTION_BACKEND_FNS["torch"] = torch_paged_attention
 
 
-def register_attention_backend(name: str, fn: Callable) -> None:
-    """Make `fn` selectable as `EngineConfig.attention_backend=name`."""
-    ATTENTION_BACKEND_FNS.register(name)(fn)
+@dataclass(frozen=True)
+class AttentionBackend:
+    """`prepare` once per forward, `attend` once per layer (see the module docstring). `gathers_columns`: the
+    work grows with the block tables' width (a gather of every column), not with each row's context length."""
+
+    attend: Callable
+    prepare: Callable[[PagedAttentionMetadata, tuple[MaskKey, ...]], PagedAttentionMetadata] = with_context
+    gathers_columns: bool = True
 
 
-def resolve_backend(name: str, device: torch.device) -> Callable:
+ATTENTION_BACKEND_FNS: Registry[AttentionBackend] = Registry("attention_backend")
+ATTENTION_BACKEND_FNS["torch"] = AttentionBackend(torch_paged_attention)
+
+
+def register_attention_backend(name: str, attend: Callable, prepare: Callable = with_context,
+                               gathers_columns: bool = True) -> None:
+    """Make `attend` (with its once-per-forward `prepare`) selectable as `EngineConfig.attention_backend=name`."""
+    ATTENTION_BACKEND_FNS.register(name)(AttentionBackend(attend, prepare, gathers_columns))
+
+
+def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
     """"auto" picks Triton on CUDA when it is importable, the torch reference otherwise."""
     if name == "auto":
         name = "torch"
@@ -48,12 +63,12 @@ def resolve_backend(name: str, device: torch.device) -> Callable:
 
 @dataclass
 class PagedContext:
-    """Everything the attention function needs for one forward."""
+    """Everything the attention function needs for one forward (`meta` already prepared by the backend)."""
 
-    k_cache: torch.Tensor  # [L, num_slots, Hkv, D]
-    v_cache: torch.Tensor
+    k_caches: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
+    v_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
-    backend: Callable
+    attend: Callable
 
 
 def paged_attention_forward(
@@ -71,15 +86,21 @@ def paged_attention_forward(
     if paged_ctx is None:
         raise RuntimeError(f"attention {PAGED_ATTENTION_NAME!r} called without `paged_ctx`: only the engine uses it.")
     layer = module.layer_idx
-    k_cache, v_cache, meta = paged_ctx.k_cache[layer], paged_ctx.v_cache[layer], paged_ctx.meta
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_cache, v_cache, meta = paged_ctx.k_caches[layer], paged_ctx.v_caches[layer], paged_ctx.meta
+    k_cache[meta.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[meta.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_ctx.backend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale, sliding_window)  # [T, H, D]
+    out = paged_ctx.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale, sliding_window)  # [T, H, D]
     return out[None], None
 
 
 AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
+
+
+def sliding_windows(model: torch.nn.Module) -> tuple[MaskKey, ...]:
+    """The distinct sliding windows of the model's attention layers (their masks are built once per forward)."""
+    found = {getattr(m, "sliding_window", None) for m in model.modules() if hasattr(m, "layer_idx")}
+    return tuple(sorted(w for w in found if isinstance(w, int) and w > 0))
 
 
 def attention_configs(model: torch.nn.Module) -> list:
@@ -105,14 +126,19 @@ def paged_attention(model: torch.nn.Module, configs: list | None = None) -> Iter
 
 __all__ = [
     "ATTENTION_BACKEND_FNS",
+    "AttentionBackend",
+    "MaskKey",
     "PAGED_ATTENTION_NAME",
     "PagedAttentionMetadata",
     "PagedContext",
     "attention_configs",
     "Segment",
     "build_metadata",
+    "decode_metadata",
     "paged_attention",
+    "sliding_windows",
     "register_attention_backend",
     "resolve_backend",
     "torch_paged_attention",
+    "with_context",
 ]

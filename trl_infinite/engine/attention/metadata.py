@@ -1,17 +1,27 @@
-"""Block metadata of one forward pass over the paged KV pool.
+"""Metadata of one forward pass over the paged KV pool, built once per forward and read by every layer.
 
 A forward runs a flat, packed batch of `T` query tokens (batch dimension 1) that belong to `S` segments. A segment
 is the new tokens of one sample (or one prompt): its context is the group's prompt blocks (the shared prefix,
 `prompt_lens[s]` tokens) followed by the sample's own completion blocks. Position `p` of segment `s` lives in
 prefix block `prefix_table[s, p // B]` if `p < prompt_lens[s]`, else in own block
 `suffix_table[s, (p - prompt_lens[s]) // B]`; its slot in the pool is `block * B + offset`.
+
+Two builders make the same `PagedAttentionMetadata`: `build_metadata` from host-side `Segment`s (prefill,
+recompute, verification: eager), and `decode_metadata` from the persistent device tables of the static decode
+batch (one token per row, no host data: it runs inside a compiled / captured region).
+
+`ContextPlan` is what the torch backend needs, computed once per forward: every segment's context laid out as
+`[prefix columns | own columns]` (`Cp = Wp * B` slots read through the prefix table, `Cs = Ws * B` through the own
+table), the pool slot of each column and one boolean mask per attention pattern (full / sliding window).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+MaskKey = int | None  # the sliding window of a layer (None = full causal attention)
 
 
 @dataclass
@@ -31,6 +41,15 @@ class Segment:
 
 
 @dataclass
+class ContextPlan:
+    """Per-forward context layout of the torch backend (S segments, Q = longest query run, C = Cp + Cs)."""
+
+    slots: torch.Tensor  # [S, C] pool slot of every context column
+    masks: dict[MaskKey, torch.Tensor]  # [S, 1, Q, C] bool: which columns each query attends to
+    query_index: tuple[torch.Tensor, torch.Tensor] | None  # (segment, index in segment) of each query; None: Q == 1
+
+
+@dataclass
 class PagedAttentionMetadata:
     """Device tensors describing the packed batch (shapes in comments; B = block size)."""
 
@@ -39,14 +58,13 @@ class PagedAttentionMetadata:
     q_seg: torch.Tensor  # [T] segment of each query token
     q_pos: torch.Tensor  # [T] absolute position of each query token
     q_start: torch.Tensor  # [S] first query index of each segment in the packed batch
-    q_lens: torch.Tensor  # [S]
-    ctx_lens: torch.Tensor  # [S] context length after this forward (prefix + own, new tokens included)
     prompt_lens: torch.Tensor  # [S]
-    prefix_table: torch.Tensor  # [S, max_prefix_blocks] (padded with 0)
-    suffix_table: torch.Tensor  # [S, max_suffix_blocks] (padded with 0)
+    prefix_table: torch.Tensor  # [S, Wp]
+    suffix_table: torch.Tensor  # [S, Ws]
     seg_group: torch.Tensor  # [S] group index of each segment
-    max_q_len: int
-    max_ctx_len: int
+    max_q_len: int  # host int: 1 for decode forwards
+    context: ContextPlan | None = None  # filled by `with_context` for the torch backend
+    cascade: tuple[torch.Tensor, torch.Tensor] | None = None  # Triton backend: (order, run_len), see `cascade_plan`
 
     @property
     def is_decode(self) -> bool:
@@ -68,6 +86,40 @@ def slots_for_positions(
     return block * block_size + offset
 
 
+def _table_slots(table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[S, W] block ids -> [S, W * B] slots of every position of those blocks."""
+    offsets = torch.arange(block_size, device=table.device)
+    return (table[:, :, None] * block_size + offsets).reshape(table.shape[0], -1)
+
+
+def with_context(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) -> PagedAttentionMetadata:
+    """`meta` with the torch backend's `ContextPlan` (built once per forward; every layer reuses it)."""
+    device, bs = meta.prompt_lens.device, meta.block_size
+    num_seg = meta.prompt_lens.shape[0]
+    slots = torch.cat([_table_slots(meta.prefix_table, bs), _table_slots(meta.suffix_table, bs)], 1)  # [S, C]
+    cp = meta.prefix_table.shape[1] * bs
+    cs = meta.suffix_table.shape[1] * bs
+    col = torch.arange(cp + cs, device=device)
+    plen = meta.prompt_lens[:, None]
+    kpos = torch.where(col < cp, col, plen + col - cp)  # [S, C] absolute position of each column
+    in_table = (col >= cp) | (col < plen)  # prefix columns past the prompt hold nothing
+    if meta.is_decode:
+        query_index = None
+        qpos = meta.q_pos[:, None]  # [S, 1]
+    else:
+        q_idx = torch.arange(meta.q_pos.shape[0], device=device) - meta.q_start[meta.q_seg]
+        qpos = torch.full((num_seg, meta.max_q_len), -1, dtype=torch.long, device=device)
+        qpos[meta.q_seg, q_idx] = meta.q_pos
+        query_index = (meta.q_seg, q_idx)
+    base = in_table[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # [S, Q, C]
+    pad = (qpos < 0)[:, :, None] & (col == 0)  # padding queries attend to one column (no NaN)
+    masks = {}
+    for key in dict.fromkeys((None, *mask_keys)):
+        mask = base if key is None else base & (kpos[:, None, :] > qpos[:, :, None] - key)
+        masks[key] = (mask | pad)[:, None]
+    return replace(meta, context=ContextPlan(slots=slots, masks=masks, query_index=query_index))
+
+
 def _pad(rows: list[list[int]]) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.zeros(len(rows), width, dtype=torch.long)
@@ -78,7 +130,7 @@ def _pad(rows: list[list[int]]) -> torch.Tensor:
 
 
 def build_metadata(segments: list[Segment], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
-    """Pack segments into `input_ids` [1, T], `position_ids` [1, T] and the attention metadata."""
+    """Pack host-side segments into `input_ids` [1, T], `position_ids` [1, T] and the attention metadata."""
     q_lens = torch.tensor([len(s.tokens) for s in segments], dtype=torch.long)
     starts = torch.tensor([s.start_pos for s in segments], dtype=torch.long)
     q_start = torch.cumsum(q_lens, 0) - q_lens
@@ -90,7 +142,6 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
     prefix_table = _pad([s.prefix_blocks for s in segments])
     suffix_table = _pad([s.suffix_blocks for s in segments])
     slot_mapping = slots_for_positions(q_pos[:, None], prompt_lens[q_seg], prefix_table[q_seg], suffix_table[q_seg], block_size)[:, 0]
-    ctx_lens = starts + q_lens
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     meta = PagedAttentionMetadata(
         block_size=block_size,
@@ -98,13 +149,36 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
         q_seg=to(q_seg),
         q_pos=to(q_pos),
         q_start=to(q_start),
-        q_lens=to(q_lens),
-        ctx_lens=to(ctx_lens),
         prompt_lens=to(prompt_lens),
         prefix_table=to(prefix_table),
         suffix_table=to(suffix_table),
         seg_group=to(torch.tensor([s.group_index for s in segments], dtype=torch.long)),
         max_q_len=int(q_lens.max()),
-        max_ctx_len=int(ctx_lens.max()),
     )
     return to(input_ids)[None], to(q_pos)[None], meta
+
+
+def decode_metadata(
+    positions: torch.Tensor,  # [N] position of each row's input token (its last output token)
+    prompt_lens: torch.Tensor,  # [N]
+    prefix_table: torch.Tensor,  # [N, Wp]
+    suffix_table: torch.Tensor,  # [N, Ws]
+    groups: torch.Tensor,  # [N]
+    block_size: int,
+) -> PagedAttentionMetadata:
+    """Metadata of a decode forward (one query per row) from device tensors only: no host sync, static shapes."""
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    own = positions - prompt_lens  # the input token is a completion token: it lives in the row's own blocks
+    block = suffix_table.gather(1, (own // block_size)[:, None])[:, 0]
+    return PagedAttentionMetadata(
+        block_size=block_size,
+        slot_mapping=block * block_size + own % block_size,
+        q_seg=rows,
+        q_pos=positions,
+        q_start=rows,
+        prompt_lens=prompt_lens,
+        prefix_table=prefix_table,
+        suffix_table=suffix_table,
+        seg_group=groups,
+        max_q_len=1,
+    )

@@ -1,11 +1,15 @@
-"""Reference paged attention in pure torch (any device): gather each segment's context, masked SDPA."""
+"""Reference paged attention in pure torch (any device): one gather of each segment's context, one masked SDPA.
+
+Everything that does not depend on the layer (context slots, masks, query padding) is in `meta.context`, built once
+per forward by `metadata.with_context`; a layer only gathers its own K/V and calls attention.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .metadata import PagedAttentionMetadata, slots_for_positions
+from .metadata import PagedAttentionMetadata
 
 
 def torch_paged_attention(
@@ -17,27 +21,30 @@ def torch_paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of every query token over its segment's context in the pool (new tokens already written)."""
-    num_seg = meta.prompt_lens.shape[0]
-    device = query.device
-    pos = torch.arange(meta.max_ctx_len, device=device).expand(num_seg, -1)  # [S, C]
-    valid = pos < meta.ctx_lens[:, None]
-    slots = slots_for_positions(pos, meta.prompt_lens, meta.prefix_table, meta.suffix_table, meta.block_size)
-    slots = torch.where(valid, slots, torch.zeros_like(slots))
-    keys = k_cache[slots].transpose(1, 2)  # [S, Hkv, C, D]
-    values = v_cache[slots].transpose(1, 2)
-
-    q_idx = torch.arange(query.shape[0], device=device) - meta.q_start[meta.q_seg]  # index inside its segment
-    padded_q = query.new_zeros(num_seg, meta.max_q_len, *query.shape[1:])  # [S, Q, H, D]
-    padded_q[meta.q_seg, q_idx] = query
-    q_pos = torch.full((num_seg, meta.max_q_len), -1, dtype=torch.long, device=device)
-    q_pos[meta.q_seg, q_idx] = meta.q_pos
-    mask = (pos[:, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [S, Q, C]
-    if sliding_window:
-        mask &= pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    mask |= (q_pos < 0)[:, :, None] & (pos[:, None, :] == 0)  # padding queries attend to one slot (no NaN)
-
+    plan = meta.context
+    num_seg, cols = plan.slots.shape
+    flat = plan.slots.reshape(-1)
+    keys = k_cache.index_select(0, flat).view(num_seg, cols, *k_cache.shape[1:]).transpose(1, 2)  # [S, Hkv, C, D]
+    values = v_cache.index_select(0, flat).view(num_seg, cols, *v_cache.shape[1:]).transpose(1, 2)
+    mask = plan.masks.get(sliding_window)
+    if mask is None:  # a window the model did not announce: build it here (correct, not cached)
+        mask = _window_mask(meta, sliding_window)
+    if plan.query_index is None:  # decode: one query per segment
+        padded_q = query[:, :, None]  # [S, H, 1, D]
+    else:
+        seg, idx = plan.query_index
+        padded_q = query.new_zeros(num_seg, meta.max_q_len, *query.shape[1:])  # [S, Q, H, D]
+        padded_q[seg, idx] = query
+        padded_q = padded_q.transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
-        enable_gqa=keys.shape[1] != padded_q.shape[2],
+        padded_q, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != padded_q.shape[1]
     )  # [S, H, Q, D]
-    return out.transpose(1, 2)[meta.q_seg, q_idx]
+    if plan.query_index is None:
+        return out[:, :, 0]
+    return out.transpose(1, 2)[plan.query_index]
+
+
+def _window_mask(meta: PagedAttentionMetadata, window: int | None) -> torch.Tensor:
+    from .metadata import with_context
+
+    return with_context(meta, (window,)).context.masks[window]

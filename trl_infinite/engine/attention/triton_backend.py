@@ -7,6 +7,9 @@ What runs where:
   the torch reference `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is
   where the memory-bound time goes).
 
+The launch grids depend on shapes only (rows, KV heads, the device's SM count), never on device data, so a decode
+step is capturable in a CUDA graph: split-K programs past a row's context simply write an empty partial.
+
 Importing this module registers the backend, so `EngineConfig.attention_backend="auto"` picks it on CUDA. The kernels
 need CUDA tensors, or `TRITON_INTERPRET=1` set before `triton` is imported (Triton's CPU interpreter, for tests).
 """
@@ -15,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 import triton
 
 from . import register_attention_backend
-from .metadata import PagedAttentionMetadata
+from .metadata import PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention
 from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
 
@@ -29,8 +33,6 @@ BLOCK_M_PREFIX = 64  # query rows (samples x GQA heads) per prefix tile
 BLOCK_N = 32  # KV positions per tile
 MAX_PREFIX_SPLITS = 4  # programs sharing the row tiles of one large group
 MAX_SUFFIX_SPLITS = 16  # split-K of long own contexts when there are too few (segment, KV head) programs
-SPLIT_MIN_TOKENS = 256  # fewest context tokens per suffix split
-_PLAN_ATTR = "_triton_cascade_plan"
 
 
 def _interpreting() -> bool:
@@ -44,10 +46,7 @@ def cascade_plan(meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tens
     Returns `order` [S] (segments sorted by group, stable) and `run_len` [S]: at sorted position i, the number of
     segments in the run starting there, 0 where no run starts. A run is a maximal stretch of sorted segments with the
     same `seg_group`, `prompt_lens` and `prefix_table` row (so a caller that leaves every `group_index` at 0 still
-    gets correct, just unshared, prefixes). Cached on `meta`: computed once per forward, reused by every layer."""
-    cached = meta.__dict__.get(_PLAN_ATTR)
-    if cached is not None:
-        return cached
+    gets correct, just unshared, prefixes). Computed once per forward by `prepare_cascade`."""
     order = torch.argsort(meta.seg_group, stable=True)
     group, plen, table = meta.seg_group[order], meta.prompt_lens[order], meta.prefix_table[order]
     starts = torch.ones_like(group, dtype=torch.bool)
@@ -57,9 +56,17 @@ def cascade_plan(meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tens
     run_id = torch.cumsum(starts.long(), 0) - 1
     counts = torch.zeros_like(run_id).scatter_add_(0, run_id, torch.ones_like(run_id))
     run_len = torch.where(starts, counts[run_id], torch.zeros_like(run_id))
-    plan = (order.contiguous(), run_len.contiguous())
-    meta.__dict__[_PLAN_ATTR] = plan
-    return plan
+    return order.contiguous(), run_len.contiguous()
+
+
+def prepare_cascade(meta: PagedAttentionMetadata, mask_keys: tuple) -> PagedAttentionMetadata:
+    """Once per forward: the cascade plan of a decode forward; the torch backend's context plan where layers fall
+    back to it (multi-token forwards, sliding-window layers)."""
+    if meta.is_decode:
+        meta = replace(meta, cascade=cascade_plan(meta))
+    if not meta.is_decode or any(k is not None for k in mask_keys):
+        meta = with_context(meta, mask_keys)
+    return meta
 
 
 def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -84,11 +91,11 @@ def device_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def suffix_splits(meta: PagedAttentionMetadata, num_kv_heads: int, sms: int) -> int:
+def suffix_splits(num_seg: int, num_kv_heads: int, sms: int) -> int:
     """Power-of-two split-K factor of the suffix kernel: enough programs for about two waves over `sms`
-    multiprocessors, at least `SPLIT_MIN_TOKENS` context tokens per split (host ints only: no sync)."""
-    programs = meta.prompt_lens.shape[0] * num_kv_heads
-    want = min(MAX_SUFFIX_SPLITS, -(-2 * sms // programs), -(-meta.max_ctx_len // SPLIT_MIN_TOKENS))
+    multiprocessors. A function of shapes only (no context length: that is device data), so graphs can capture it."""
+    programs = num_seg * num_kv_heads
+    want = min(MAX_SUFFIX_SPLITS, -(-2 * sms // programs))
     return 1 << (max(want, 1).bit_length() - 1)
 
 
@@ -122,7 +129,7 @@ def cascade_decode_attention(
     gqa = num_heads // num_kv_heads
     num_seg = meta.prompt_lens.shape[0]
     query = query.to(k_cache.dtype)
-    order, run_len = cascade_plan(meta)
+    order, run_len = meta.cascade
     o_pre = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
     lse_pre = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
@@ -138,7 +145,7 @@ def cascade_decode_attention(
         o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), meta.prefix_table.stride(0),
         scale_log2, BLOCK_M=BLOCK_M_PREFIX, **common,
     )
-    splits = suffix_splits(meta, num_kv_heads, device_sms(query.device))
+    splits = suffix_splits(num_seg, num_kv_heads, device_sms(query.device))
     part_o, part_lse = o_pre, lse_pre  # unused when splits == 1
     if splits > 1:
         part_o = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
@@ -158,4 +165,4 @@ def cascade_decode_attention(
     return out
 
 
-register_attention_backend("triton", triton_paged_attention)
+register_attention_backend("triton", triton_paged_attention, prepare_cascade, gathers_columns=False)

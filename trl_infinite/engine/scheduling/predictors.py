@@ -4,7 +4,7 @@
 nothing to say yet. `observe(seq)` is called when a sample finishes (its true length is known) so online predictors
 learn. Every prediction that was used is scored against the true length at finish: `mae` is the mean absolute error.
 
-- "oracle": the true length (`seq.forced_length`, or `seq.extra["true_length"]`); benchmarks and the simulator only.
+- "oracle": the true length (`seq.forced_length`, capped at `max_new_tokens`); benchmarks and the simulator only.
 - "group" (Seer): mean length of the finished siblings of the same prompt; the conservative `max_new_tokens` until one
   has finished.
 - "prefix" (Infinite Sampling §4): after the first k completion tokens, a regression head on a feature vector of the
@@ -77,8 +77,7 @@ class NoPredictor(LengthPredictor):
 @register_predictor("oracle")
 class OraclePredictor(LengthPredictor):
     def predict(self, seq: Sequence) -> float | None:
-        true = seq.extra.get("true_length", seq.forced_length)
-        return None if true is None else float(min(true, seq.max_new_tokens))
+        return None if seq.forced_length is None else float(seq.length_limit)
 
 
 @register_predictor("group")

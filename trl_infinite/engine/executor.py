@@ -1,0 +1,152 @@
+"""The model-backed executor of the drive loop: prefill (first tokens), then one decode forward per step.
+
+Per `ScheduledBatch`:
+1. divided rollout's host tier: KV of parked samples copied out, returning samples' KV copied back in;
+2. prefill of the batch's prompts and recomputes (eager, chunked to `max_prefill_tokens`); the last position of
+   each prompt gives the first token of every one of its samples that has none (all G at once);
+3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, or the
+   speculative step (drafts + one verification forward) when speculation is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import Segment
+from .kv_pool import KVCachePool
+from .model_runner import ModelRunner, chunk_segments, last_rows
+from .outputs import RolloutStats
+from .sampler import Sampler, row_keys, seen_mask
+from .scheduler import ScheduledBatch, StepOutput
+from .sequence import Group, Sequence
+from .static_decode import StaticDecoder
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every part of one `generate` call's steps shares (handed over at construction, never modified)."""
+
+    runner: ModelRunner
+    sampler: Sampler
+    seed: int
+    stats: RolloutStats
+    max_prefill_tokens: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def pool(self) -> KVCachePool:
+        return self.runner.pool
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
+               contexts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [N] and log-probs [N] drawn from `logits` [N, V] for `seqs` at `positions` (the emitted token's
+        position); `contexts[i]` are the ids row i's context holds (needed by the repetition penalty)."""
+        seen = None
+        if self.sampler.uses_context:
+            rows = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
+            for i, c in enumerate(contexts):
+                rows[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            seen = seen_mask(rows.to(self.device), logits.shape[-1])
+        dev = self.device
+        keys = row_keys(self.seed, torch.tensor([s.group_id for s in seqs], device=dev),
+                        torch.tensor([s.sample_idx for s in seqs], device=dev), torch.tensor(positions, device=dev))
+        return self.sampler.sample(self.sampler.process(logits, seen), keys)
+
+
+class PrefixCapture:
+    """Delivers the last hidden state at completion token k to the length predictor (`prefix` predictor)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def wanted(self, seqs: list[Sequence]) -> list[int]:
+        """Indices of `seqs` whose decode input is completion token k."""
+        return [i for i, s in enumerate(seqs) if s.num_generated == self.k]
+
+    def deliver(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        seq.extra["prefix_hidden"] = hidden.float().cpu().numpy()
+
+
+class ModelExecutor:
+    """`Executor` of the drive loop backed by the model (see the module docstring)."""
+
+    def __init__(self, ctx: StepContext, decoder: StaticDecoder, prefix: PrefixCapture | None = None, spec=None):
+        self.ctx = ctx
+        self.decoder = decoder
+        self.prefix = prefix
+        self.spec = spec  # a `spec_decode.SpeculativeStep`, or None
+        self.host_kv: dict[int, list] = {}  # divided rollout's host tier, by seq_id
+
+    def lookahead(self, num_running: int) -> int:
+        return self.spec.lookahead(num_running) if self.spec is not None else 0
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        self._swap(batch)
+        out = StepOutput()
+        out.first_tokens, out.first_logprobs = self._prefill(batch)
+        if not batch.decode:
+            return out
+        if self.spec is not None:
+            out.tokens, out.logprobs = self.spec.run(batch)
+            return out
+        tokens, logprobs, hidden, rows = self.decoder.decode(batch.decode)
+        if self.prefix is not None:
+            for i in self.prefix.wanted(batch.decode):
+                self.prefix.deliver(batch.decode[i], hidden[rows[i]])
+        out.tokens = [[t] for t in tokens]
+        out.logprobs = [[lp] for lp in logprobs]
+        return out
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        if self.spec is not None:
+            self.spec.after_step(batch)
+
+    # ------------------------------------------------------------------ pieces
+    def _swap(self, batch: ScheduledBatch) -> None:
+        """Divided rollout's host tier: copy parked samples' KV out (first), then returning ones back in."""
+        for seq, blocks in batch.swap_out:
+            self.host_kv[seq.seq_id] = self.ctx.pool.copy_out(blocks)
+        for seq, blocks in batch.swap_in:
+            self.ctx.pool.copy_in(blocks, self.host_kv.pop(seq.seq_id))
+
+    def _prefill(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
+        """Prefill prompts and recomputes; the first token of every sample of each prefilled prompt that has none."""
+        segments = [Segment(g.prompt_len, g.prompt_blocks, [], 0, g.prompt_ids, g.group_id) for g in batch.prefill_groups]
+        segments += [
+            Segment(s.prompt_len, s.group.prompt_blocks, s.blocks, s.prompt_len, s.output_ids[:-1], s.group_id)
+            for s in batch.recompute
+        ]
+        if not segments:
+            return [], []
+        last_logits: dict[int, torch.Tensor] = {}  # group_id -> logits at the prompt's last position
+        stats = self.ctx.stats
+        for chunk in chunk_segments(segments, self.ctx.max_prefill_tokens):
+            want = [i for i, s in enumerate(chunk) if not s.suffix_blocks and s.end_pos == s.prompt_len]
+            rows = last_rows(chunk)[want] if want else torch.zeros(0, dtype=torch.long)
+            logits, _ = self.ctx.runner.forward(chunk, rows)
+            stats.prefill_tokens += sum(len(s.tokens) for s in chunk)
+            stats.prefill_steps += 1
+            for k, i in enumerate(want):
+                last_logits[chunk[i].group_index] = logits[k]
+        return self._first_tokens(batch.prefill_groups, last_logits)
+
+    def _first_tokens(self, groups: list[Group], last_logits: dict[int, torch.Tensor]):
+        fresh = [g.pending_first() for g in groups]
+        seqs = [s for samples in fresh for s in samples]
+        if not seqs:
+            return [[] for _ in groups], [[] for _ in groups]
+        logits = torch.stack([last_logits[s.group_id] for s in seqs])  # [N, V]
+        contexts = [s.group.prompt_ids for s in seqs] if self.ctx.sampler.uses_context else None
+        tokens, logprobs = self.ctx.sample(logits, seqs, [s.prompt_len for s in seqs], contexts)
+        host = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        out_t, out_lp, i = [], [], 0
+        for samples in fresh:
+            out_t.append([int(t) for t in host[0][i : i + len(samples)]])
+            out_lp.append(host[1][i : i + len(samples)])
+            i += len(samples)
+        return out_t, out_lp

@@ -1,0 +1,66 @@
+"""The one drive loop of a rollout: schedule -> execute -> postprocess, until every sample has finished.
+
+The engine runs it with the model-backed executor (`engine/executor.py`); the trace simulator runs it with an
+executor that replays recorded lengths (`sim/replay.py`). Everything else (admission, block accounting, preemption,
+divided rollout, the policies, the step and tail counts) is this loop and the `Scheduler`, shared by both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from .outputs import RolloutStats
+from .scheduler import ScheduledBatch, Scheduler, StepOutput
+from .sequence import Sequence
+
+TAIL_FRACTION = 0.9  # decode steps taken once this fraction of the samples has finished count as tail steps
+
+
+class Executor(Protocol):
+    """Runs one `ScheduledBatch`: prefills the batch's prompts (first tokens), then one decode forward over
+    `batch.decode` (if any). Must not change scheduler state: the tokens go back through `StepOutput`."""
+
+    def lookahead(self, num_running: int) -> int:
+        """Extra KV slots per running sample the next step may write (speculative drafts), 0 otherwise."""
+        ...
+
+    def run(self, batch: ScheduledBatch) -> StepOutput: ...
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Called once the step's tokens were appended (and finished samples freed)."""
+        ...
+
+
+StepTimer = Callable[[ScheduledBatch, float], None]  # (batch, seconds of `executor.run`), decode steps only
+
+
+def drive(
+    scheduler: Scheduler,
+    executor: Executor,
+    stats: RolloutStats,
+    on_finished: Callable[[Sequence], None] | None = None,
+    on_decode_step: StepTimer | None = None,
+) -> None:
+    """Run the scheduler to completion. Counts `decode_steps` (steps with a decode forward) and
+    `tail_decode_steps` in `stats`; reports every finished sample to `on_finished` as soon as it finished."""
+    total = scheduler.num_samples
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule(lookahead=executor.lookahead(len(scheduler.running)))
+        start = time.perf_counter()
+        out = executor.run(batch)
+        seconds = time.perf_counter() - start
+        if batch.decode:
+            stats.decode_steps += 1
+            if len(scheduler.finished) >= TAIL_FRACTION * total:
+                stats.tail_decode_steps += 1
+            scheduler.admission.on_step_time(len(batch.decode), seconds)
+            if on_decode_step is not None:
+                on_decode_step(batch, seconds)
+        done_before = len(scheduler.finished)
+        scheduler.postprocess(batch, out)
+        executor.after_step(batch)
+        if on_finished is not None:
+            for seq in scheduler.finished[done_before:]:
+                on_finished(seq)

@@ -1,0 +1,154 @@
+"""The static decode step: one token per running sample through fixed-shape device state, sampled in the same region.
+
+`DecodeRows` holds the batch on the device; a step pads it to a bucket of rows (`bucket_sizes`) and runs
+`StaticDecoder._step` over fixed shapes: metadata from the persistent tables, the model forward, the logits
+processors and the Gumbel race. Nothing in `_step` reads device data on the host, so it runs
+- eagerly (the default off CUDA),
+- compiled with `torch.compile(fullgraph=True)` (`EngineConfig.compile`, on any device), and/or
+- captured in one CUDA graph per bucket and replayed (`EngineConfig.cuda_graphs`, on CUDA).
+The host's work per step is `DecodeRows.update` (incremental uploads) and one copy of the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import decode_metadata
+from .block_manager import blocks_for
+from .decode_rows import DecodeRows
+from .model_runner import ModelRunner
+from .sampler import Sampler, row_keys, seed_base
+from .sequence import Sequence
+
+
+def bucket_sizes(capacity: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then multiples of 8 up to 64, of 16 up to 256, of 32 beyond; `capacity` last."""
+    sizes, n = [], 1
+    while n < capacity:
+        sizes.append(n)
+        n = n * 2 if n < 8 else n + (8 if n < 64 else 16 if n < 256 else 32)
+    return sizes + [capacity]
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+    return min(cap, 1 << max(n - 1, 1).bit_length())
+
+
+class _Captured:
+    """One CUDA graph and its static outputs."""
+
+    def __init__(self, graph, outputs):
+        self.graph, self.outputs = graph, outputs
+
+
+class StaticDecoder:
+    """Runs decode steps on the static path for one engine (its model, pool and backend)."""
+
+    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool):
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.pool.block_size
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        # kernels whose work follows each row's length read the whole tables; a gathering backend reads only the
+        # columns in use (and so does every layer that falls back to it)
+        self.full_tables = not runner.backend.gathers_columns and not runner.mask_keys
+        self.rows: DecodeRows | None = None
+        self.sampler: Sampler | None = None
+        self.want_hidden = False
+        self.seed = torch.zeros((), dtype=torch.long, device=self.device)
+        self.graphs: dict[tuple, _Captured] = {}
+        self.graph_pool = None
+        self.graph_bytes = 0
+        self._fingerprint: tuple = ()
+        self._compiled = torch.compile(self._step, fullgraph=True) if compile else None
+
+    # ------------------------------------------------------------------ per call
+    def begin(self, sampler: Sampler, seed: int, capacity: int, prompt_blocks: int, own_blocks: int,
+              want_hidden: bool) -> None:
+        """Prepare for one `generate` call: the rows' capacity and table widths, the sampler, the seed."""
+        vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
+        cap = bucket_sizes(capacity)[-1]
+        pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
+        if self.rows is None or not self.rows.fits(cap, pcols, ocols, vocab):
+            self.rows = DecodeRows(cap, pcols, ocols, self.block_size, self.runner.pool.null_block, self.device, vocab)
+            self.graphs.clear()
+        if self.sampler is None or self.sampler.params_key != sampler.params_key or want_hidden != self.want_hidden:
+            self.sampler, self.want_hidden = sampler, want_hidden
+            self.graphs.clear()
+        self.seed.fill_(seed_base(seed))
+        fingerprint = tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers()))
+        if fingerprint != self._fingerprint:  # parameters gathered into new storage (ZeRO-3, FSDP): recapture
+            self._fingerprint = fingerprint
+            self.graphs.clear()
+
+    def end(self) -> None:
+        """Release the rows of the finished call (their samples are done)."""
+        if self.rows is not None:
+            self.rows.update([])
+
+    # ------------------------------------------------------------------ one step
+    def decode(self, seqs: list[Sequence]) -> tuple[list[int], list[float], torch.Tensor | None, list[int]]:
+        """One token per sample. Returns tokens and log-probs (in `seqs` order), the last hidden states of the
+        padded batch ([rows, hidden] on the device, or None) and each sample's row in it."""
+        rows = self.rows
+        row_of = rows.update(seqs)
+        n = len(seqs)
+        padded = next(b for b in bucket_sizes(rows.capacity) if b >= n)
+        pcols, ocols = rows.prefix_cols, rows.own_cols
+        if not self.full_tables:  # the torch backend gathers every column: read only the used ones
+            pcols = _pow2_at_least(max(blocks_for(s.prompt_len, self.block_size) for s in seqs), pcols)
+            ocols = _pow2_at_least(max(len(s.blocks) for s in seqs), ocols)
+        args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
+                rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols],
+                None if rows.seen is None else rows.seen[:padded], self.seed)
+        if self.use_graphs:
+            tokens, logprobs, hidden = self._replay((padded, pcols, ocols), args)
+        else:
+            tokens, logprobs, hidden = self._run(args)
+        host = torch.stack([tokens[:n].double(), logprobs[:n].double()]).tolist()  # one device -> host copy
+        return ([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of)
+
+    def _run(self, args):
+        with self.runner.routed():
+            if self._compiled is None:
+                return self._step(*args)
+            if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
+                torch._dynamo.maybe_mark_dynamic(args[4], 1)
+                torch._dynamo.maybe_mark_dynamic(args[5], 1)
+            return self._compiled(*args)
+
+    def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed):
+        """The static region: [2, N] inputs and per-row state in, [N] tokens and log-probs out."""
+        ids, pos = inputs[0], inputs[1]
+        meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size)
+        logits, hidden = self.runner.run(ids[None], pos[None], meta, 0, self.want_hidden)
+        logprobs = self.sampler.process(logits, seen)
+        keys = row_keys(seed, group, sample, pos + 1)
+        tokens, token_logprobs = self.sampler.sample(logprobs, keys)
+        return tokens, token_logprobs, hidden
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _replay(self, key: tuple, args):
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(args)
+        captured.graph.replay()
+        return captured.outputs
+
+    def _capture(self, args) -> _Captured:
+        """Warm up on a side stream (Triton JIT, cuBLAS workspaces, compilation), then capture one step into the
+        shared graph memory pool; the pool's growth is counted in `graph_bytes`."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved(self.device)
+        with self.runner.routed(), torch.cuda.graph(graph, pool=self.graph_pool):
+            outputs = self._step(*args) if self._compiled is None else self._compiled(*args)
+        if self.graph_pool is None:
+            self.graph_pool = graph.pool()
+        self.graph_bytes += torch.cuda.memory_reserved(self.device) - before
+        return _Captured(graph, outputs)
