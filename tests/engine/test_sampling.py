@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.config import SAMPLING_MODES
-from trl_infinite.engine.sampler import STREAM_ACCEPT, STREAM_SAMPLE, gumbel_argmax, row_keys, uniforms
+from trl_infinite.engine.sampler import STREAM_ACCEPT, STREAM_SAMPLE, categorical, row_keys, uniform64, uniforms
 
 ALPHA = 1e-3
 NUM_SAMPLES = 12000  # samples of one prompt (the RNG is keyed by sample index, so they are independent draws)
@@ -175,16 +175,30 @@ def test_uniforms_are_uniform_and_pure():
     assert torch.equal(uniforms(keys, 10), uniforms(keys, 64)[:, :10])
 
 
-def test_gumbel_argmax_is_an_exact_sampler():
-    """Chi-square (alpha 1e-3) of 100000 draws from a fixed 5-way distribution with a zero-probability entry."""
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+def test_uniform64_is_uniform():
+    """One 53-bit uniform per key (the categorical draw): mean and variance within 5 sigma / 1e-3, KS alpha 0.001."""
+    u = uniform64(_grid_keys())
+    m = u.numel()
+    assert (u >= 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / m) ** 0.5
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    x = u.sort().values
+    ecdf_hi = torch.arange(1, m + 1, dtype=torch.double) / m
+    assert torch.maximum(ecdf_hi - x, x - (ecdf_hi - 1 / m)).max().item() < 1.95 / m**0.5
+
+
+def test_categorical_is_an_exact_sampler():
+    """Chi-square (alpha 1e-3) of 100000 draws from a fixed 6-way distribution with zero-probability entries first,
+    inside and last (the inverse CDF must step over flat stretches)."""
+    probs = torch.tensor([0.0, 0.5, 0.3, 0.0, 0.15, 0.05, 0.0])
     n = 100000
     keys = row_keys(11, torch.zeros(n, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
-    draws = gumbel_argmax(probs.log().expand(n, -1), keys)
-    counts = torch.bincount(draws, minlength=5)
-    assert counts[4] == 0
+    draws = categorical(probs.log().expand(n, -1), keys)
+    counts = torch.bincount(draws, minlength=7)
+    assert counts[[0, 3, 6]].sum() == 0
+    probs, counts = probs[[1, 2, 4, 5]], counts[[1, 2, 4, 5]]
     assert chi_square_pvalue(counts, probs) > ALPHA
-    assert chi_square_pvalue(counts, torch.tensor([0.49, 0.31, 0.15, 0.05, 0.0])) < ALPHA  # power: 1% shift
+    assert chi_square_pvalue(counts, torch.tensor([0.49, 0.31, 0.15, 0.05])) < ALPHA  # power: 1% shift
 
 
 def test_repetition_penalty_matches_transformers_whatever_the_padding():

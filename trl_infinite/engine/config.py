@@ -65,6 +65,11 @@ class EngineConfig:
         metadata={"help": "torch.compile the static decode step (fullgraph, one graph per batch bucket); works on "
                   "CPU too. Combined with `cuda_graphs`, the compiled step is what gets captured."},
     )
+    compile_backend: str = field(
+        default="inductor",
+        metadata={"help": "torch.compile backend of `compile=True` (a name from `torch._dynamo.list_backends()`, "
+                  "e.g. 'inductor', or 'eager' / 'aot_eager' to debug)."},
+    )
     scheduler: str = field(default="fifo", metadata={"help": "Order in which pending samples take free slots."})
     batch_policy: str = field(default="static", metadata={"help": "How many samples run at once."})
     length_predictor: object = field(
@@ -121,6 +126,10 @@ class EngineConfig:
         for name in ("cuda_graphs", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.compile:
+            import torch._dynamo
+
+            _choice("compile_backend", self.compile_backend, tuple(torch._dynamo.list_backends(exclude_tags=())))
         from .scheduling.registry import BATCH_POLICIES, SCHEDULERS
 
         _choice("scheduler", self.scheduler, tuple(SCHEDULERS))

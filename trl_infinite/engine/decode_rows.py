@@ -40,6 +40,8 @@ class DecodeRows:
         self._lists: list[tuple[list[int], list[int]]] = []  # per row: (own block list, prompt block list) seen
         self._written: list[int] = []  # per row: own block ids uploaded
         self._marked: list[int] = []  # per row: output tokens marked in `seen`
+        self.max_prompt_blocks = 0  # widest table row in use after the last `update`
+        self.max_own_blocks = 0
 
     @property
     def num_rows(self) -> int:
@@ -61,15 +63,8 @@ class DecodeRows:
         joiners = [s for s in seqs if s.seq_id not in self.row_of]
         if joiners:
             self._join(joiners)
-        self._grow()
-        rows = [self.row_of[s.seq_id] for s in seqs]
-        inputs = [0] * (2 * len(self.seqs))
-        n = len(self.seqs)
-        for r, s in enumerate(self.seqs):
-            inputs[r] = s.output_ids[-1]
-            inputs[n + r] = s.num_tokens - 1
-        self.inputs[:, :n].copy_(torch.tensor(inputs, dtype=torch.long).view(2, n), non_blocking=True)
-        return rows
+        self._step_inputs()
+        return [self.row_of[s.seq_id] for s in seqs]
 
     def _replaced(self, row: int, seq: Sequence) -> bool:
         own, prompt = self._lists[row]
@@ -130,17 +125,30 @@ class DecodeRows:
             out[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         return out.to(self.device)
 
-    def _grow(self) -> None:
-        """Upload own block ids appended since the last step, and mark newly emitted tokens as seen."""
+    def _step_inputs(self) -> None:
+        """One pass over the rows: each row's input token and position, own block ids appended since the last step,
+        newly emitted tokens to mark as seen, the widest rows."""
+        n = len(self.seqs)
+        inputs = [0] * (2 * n)
         cells, marks = [], []
+        max_prompt = max_own = 0
         for r, s in enumerate(self.seqs):
-            have = len(s.blocks)
+            out = s.output_ids
+            inputs[r] = out[-1]
+            inputs[n + r] = s.group.prompt_len + len(out) - 1
+            blocks = s.blocks
+            have = len(blocks)
             if have > self._written[r]:
-                cells.extend((r, c, s.blocks[c]) for c in range(self._written[r], have))
+                cells.extend((r, c, blocks[c]) for c in range(self._written[r], have))
             self._written[r] = have  # fewer after a lookahead rollback: the extra entries are never read
-            if self.seen is not None and self._marked[r] < s.num_generated:
-                marks.extend((r, t) for t in s.output_ids[self._marked[r]:])
-                self._marked[r] = s.num_generated
+            if self.seen is not None and self._marked[r] < len(out):
+                marks.extend((r, t) for t in out[self._marked[r]:])
+                self._marked[r] = len(out)
+            max_own = max(max_own, have)
+            max_prompt = max(max_prompt, len(s.group.prompt_blocks))
+        self.max_prompt_blocks, self.max_own_blocks = max_prompt, max_own
+        if n:
+            self.inputs[:, :n].copy_(torch.tensor(inputs, dtype=torch.long).view(2, n), non_blocking=True)
         if cells:
             c = torch.tensor(cells, dtype=torch.long).to(self.device)
             self.suffix_table[c[:, 0], c[:, 1]] = c[:, 2]

@@ -36,7 +36,8 @@ class RolloutEngine:
         self.device = param.device
         self.pool = KVCachePool(model.config, self.config, dtype=param.dtype, device=self.device)
         self.runner = ModelRunner(model, self.pool, self.config.attention_backend)
-        self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs)
+        self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
+                                     compile_backend=self.config.compile_backend)
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # one length predictor per engine: it keeps learning from every call's finished samples
         self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k)
@@ -77,7 +78,7 @@ class RolloutEngine:
         return self.config.num_speculative_tokens if self.speculator is not None else 0
 
     # ------------------------------------------------------------------ public API
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: list[list[int]],

@@ -44,13 +44,17 @@ def drive(
     on_decode_step: StepTimer | None = None,
 ) -> None:
     """Run the scheduler to completion. Counts `decode_steps` (steps with a decode forward) and
-    `tail_decode_steps` in `stats`; reports every finished sample to `on_finished` as soon as it finished."""
+    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`); reports every
+    finished sample to `on_finished` as soon as it finished."""
     total = scheduler.num_samples
+    clock = time.perf_counter
     while scheduler.has_unfinished():
+        t0 = clock()
         batch = scheduler.schedule(lookahead=executor.lookahead(len(scheduler.running)))
-        start = time.perf_counter()
+        start = clock()
         out = executor.run(batch)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
+        stats.host_time_s += start - t0
         if batch.decode:
             stats.decode_steps += 1
             if len(scheduler.finished) >= TAIL_FRACTION * total:
@@ -59,8 +63,10 @@ def drive(
             if on_decode_step is not None:
                 on_decode_step(batch, seconds)
         done_before = len(scheduler.finished)
+        t0 = clock()
         scheduler.postprocess(batch, out)
         executor.after_step(batch)
+        stats.host_time_s += clock() - t0
         if on_finished is not None:
             for seq in scheduler.finished[done_before:]:
                 on_finished(seq)

@@ -29,11 +29,18 @@ class RolloutStats:
     accepted_tokens: int = 0  # of which accepted
     verify_steps: int = 0  # decode forwards that verified at least one draft
     mean_acceptance_length: float = 0.0  # tokens emitted per sample per verification forward (bonus included)
+    host_time_s: float = 0.0  # host work around the forwards: scheduling, postprocess, decode-batch upload, read-back
+    decode_forward_s: float = 0.0  # time in decode forwards (sampling included; on CUDA up to the token read-back)
     extra: dict = field(default_factory=dict)  # counters of plug-ins (speculation, predictors, offload)
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """Host work per decode step (ms): what a captured GPU step cannot hide unless it overlaps."""
+        return 1e3 * self.host_time_s / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def peak_kv_bytes(self) -> int:

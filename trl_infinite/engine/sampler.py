@@ -1,12 +1,14 @@
 """Token sampling with `transformers` generate semantics and counter-based randomness.
 
 Processing order is the one `GenerationMixin` uses: repetition penalty, then temperature, top-k, top-p, min-p (the
-warpers are transformers' own classes). Sampling uses the Gumbel-max / exponential-race trick:
-`argmax_v (log p_v + G_v)` with `G_v = -log(-log U_v)` is an exact draw from `p`, and needs no host sync.
+warpers are transformers' own classes). A draw is an inverse-CDF lookup: with the row's cumulative probabilities
+`c_v = sum_{w <= v} p_w` (float64) and one uniform `U`, the token is the first `v` with `c_v > U * c_V`, an exact
+draw from `p` (zero-probability tokens are never hit: their `c_v` does not rise), in a few passes over the row and
+no host sync.
 
-The uniforms `U` are a pure function of (seed, prompt index, sample index, position, vocabulary id, stream), a
-counter-based generator: the same seed gives the same sample whatever the batch composition, the sampling mode or
-the scheduler, and speculative verification can draw its acceptance coins from the same streams.
+Every uniform is a pure function of (seed, prompt index, sample index, position, stream), a counter-based
+generator: the same seed gives the same sample whatever the batch composition, the sampling mode or the scheduler,
+and speculative verification draws its acceptance coins from the same streams.
 """
 
 from __future__ import annotations
@@ -76,10 +78,18 @@ def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def gumbel_argmax(logprobs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exact sample from softmax(logprobs) per row ([N, V] -> [N]) via the exponential race."""
-    u = uniforms(keys, logprobs.shape[-1])
-    return torch.argmax(logprobs - torch.log(-torch.log(u)), dim=-1)
+def uniform64(keys: torch.Tensor) -> torch.Tensor:
+    """[N] float64 uniforms in [0, 1) with 53 random bits, one per key."""
+    return _shr(mix64(keys), 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def categorical(logprobs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exact sample from softmax(logprobs) per row ([N, V] -> [N]) by inverse CDF with one uniform per row.
+    Cumulative sums in float64 (a float32 sum over a 150k vocabulary would misplace rare tokens)."""
+    cdf = logprobs.double().exp().cumsum(-1)  # [N, V]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform64(keys)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -139,5 +149,5 @@ class Sampler:
 
     def sample(self, logprobs: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [N] and their log-probabilities [N] from processed `logprobs` [N, V]."""
-        tokens = logprobs.argmax(-1) if self.params.greedy else gumbel_argmax(logprobs, keys)
+        tokens = logprobs.argmax(-1) if self.params.greedy else categorical(logprobs, keys)
         return tokens, logprobs.gather(1, tokens[:, None])[:, 0]

@@ -297,6 +297,7 @@ class Scheduler:
             for seq, t, lp in zip(group.pending_first(), toks, lps):
                 if seq.append_token(t, lp):
                     self.finish(seq)
+        chunked = self.chunk_tokens is not None or self.policy.chunks
         for seq, toks, lps in zip(batch.decode, out.tokens, out.logprobs):
             done = False
             for t, lp in zip(toks, lps):
@@ -310,8 +311,9 @@ class Scheduler:
             if len(seq.blocks) > keep:
                 self.allocator.free(seq.blocks[keep:])
                 del seq.blocks[keep:]
-            target = self._chunk_target(seq)
-            if target is not None and seq.num_generated >= target:
-                self.park(seq)
+            if chunked:
+                target = self._chunk_target(seq)
+                if target is not None and seq.num_generated >= target:
+                    self.park(seq)
         self.step_idx += 1
         self.policy.on_step(self.view())

@@ -11,12 +11,14 @@ The host's work per step is `DecodeRows.update` (incremental uploads) and one co
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .attention import decode_metadata
-from .block_manager import blocks_for
 from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
+from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seed_base
 from .sequence import Sequence
 
@@ -44,7 +46,7 @@ class _Captured:
 class StaticDecoder:
     """Runs decode steps on the static path for one engine (its model, pool and backend)."""
 
-    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool):
+    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool, compile_backend: str = "inductor"):
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.pool.block_size
@@ -60,7 +62,7 @@ class StaticDecoder:
         self.graph_pool = None
         self.graph_bytes = 0
         self._fingerprint: tuple = ()
-        self._compiled = torch.compile(self._step, fullgraph=True) if compile else None
+        self._compiled = torch.compile(self._step, fullgraph=True, backend=compile_backend) if compile else None
 
     # ------------------------------------------------------------------ per call
     def begin(self, sampler: Sampler, seed: int, capacity: int, prompt_blocks: int, own_blocks: int,
@@ -87,26 +89,39 @@ class StaticDecoder:
             self.rows.update([])
 
     # ------------------------------------------------------------------ one step
-    def decode(self, seqs: list[Sequence]) -> tuple[list[int], list[float], torch.Tensor | None, list[int]]:
+    def decode(self, seqs: list[Sequence], stats: RolloutStats) -> tuple[list[int], list[float], torch.Tensor | None,
+                                                                       list[int]]:
         """One token per sample. Returns tokens and log-probs (in `seqs` order), the last hidden states of the
-        padded batch ([rows, hidden] on the device, or None) and each sample's row in it."""
+        padded batch ([rows, hidden] on the device, or None) and each sample's row in it. Adds the host time of
+        the upload and the read-back to `stats.host_time_s`, the forward's to `stats.decode_forward_s`."""
+        t0 = time.perf_counter()
         rows = self.rows
         row_of = rows.update(seqs)
         n = len(seqs)
         padded = next(b for b in bucket_sizes(rows.capacity) if b >= n)
         pcols, ocols = rows.prefix_cols, rows.own_cols
-        if not self.full_tables:  # the torch backend gathers every column: read only the used ones
-            pcols = _pow2_at_least(max(blocks_for(s.prompt_len, self.block_size) for s in seqs), pcols)
-            ocols = _pow2_at_least(max(len(s.blocks) for s in seqs), ocols)
+        if not self.full_tables:  # a gathering backend reads every column: only the used ones (a graph: bucketed)
+            if self.use_graphs:
+                pcols, ocols = _pow2_at_least(rows.max_prompt_blocks, pcols), _pow2_at_least(rows.max_own_blocks, ocols)
+            else:  # at least 2: a width of 1 would be specialised by the compiler (tables have >= 2 columns)
+                pcols, ocols = max(2, rows.max_prompt_blocks), max(2, rows.max_own_blocks)
+        tables = rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols]
+        if not self.use_graphs:  # one memory layout whatever the widths (a graph instead keeps the views' addresses)
+            tables = tuple(t.clone(memory_format=torch.contiguous_format) for t in tables)
         args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
-                rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols],
-                None if rows.seen is None else rows.seen[:padded], self.seed)
+                *tables, None if rows.seen is None else rows.seen[:padded], self.seed)
+        t1 = time.perf_counter()
         if self.use_graphs:
             tokens, logprobs, hidden = self._replay((padded, pcols, ocols), args)
         else:
             tokens, logprobs, hidden = self._run(args)
-        host = torch.stack([tokens[:n].double(), logprobs[:n].double()]).tolist()  # one device -> host copy
-        return ([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of)
+        host = torch.stack([tokens[:n].double(), logprobs[:n].double()]).cpu()  # one device -> host copy
+        t2 = time.perf_counter()
+        host = host.tolist()
+        out = ([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of)
+        stats.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        stats.decode_forward_s += t2 - t1
+        return out
 
     def _run(self, args):
         with self.runner.routed():

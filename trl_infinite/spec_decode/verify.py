@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampler import gumbel_argmax, uniforms
+from ..engine.sampler import categorical, uniforms
 
 
 @dataclass
@@ -85,7 +85,7 @@ def verify_sampling(
     u = uniforms(accept_keys[:, :k].reshape(-1), 1).view(n, k)  # one coin per draft position
     n_acc = _accepted_prefix(u * q_x < p_x, lens)  # u < p/q  <=>  accept with prob min(1, p/q)
     p_row = p[rows, n_acc]  # [N, V] distribution at the first unaccepted position
-    bonus_tok = gumbel_argmax(p_row, sample_keys.gather(1, n_acc[:, None])[:, 0])
+    bonus_tok = categorical(p_row, sample_keys.gather(1, n_acc[:, None])[:, 0])
     if k == 0:
         return _assemble(p, drafts, n_acc, bonus_tok)
     rejected = n_acc < lens
@@ -98,6 +98,6 @@ def verify_sampling(
     # a zero residual has probability 0 of being needed (p = q there); fall back to p to stay well defined
     empty = residual.sum(1, keepdim=True) <= 0
     residual_lp = torch.where(empty, p_row, residual.log())
-    res_tok = gumbel_argmax(residual_lp, residual_keys.gather(1, n_acc[:, None])[:, 0])
+    res_tok = categorical(residual_lp, residual_keys.gather(1, n_acc[:, None])[:, 0])
     final = torch.where(rejected, res_tok, bonus_tok)
     return _assemble(p, drafts, n_acc, final)

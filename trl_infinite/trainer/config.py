@@ -84,6 +84,10 @@ class InfiniteGRPOConfig(GRPOConfig):
         metadata={"help": "torch.compile the static decode step (fullgraph); with CUDA graphs the compiled step is "
                   "captured."},
     )
+    rollout_compile_backend: str = field(
+        default=_default("compile_backend"),
+        metadata={"help": "torch.compile backend of `rollout_compile` ('inductor', or 'eager' / 'aot_eager' to debug)."},
+    )
     rollout_scheduler: str = field(
         default=_default("scheduler"),
         metadata={"help": "Scheduling policy (registry name) deciding which pending sample takes a free slot."},

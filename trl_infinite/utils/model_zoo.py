@@ -36,6 +36,11 @@ MODEL_CONFIGS = {
     "qwen3-0.6b": lambda: _qwen3(1024, 3072, 28, 16, tie=True),
     "qwen3-1.7b": lambda: _qwen3(2048, 6144, 28, 16, tie=True),
     "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32, tie=False),
+    # Qwen3-1.7B's depth (28 layers) with none of its width: a decode step's time is almost all host work (Python,
+    # dispatch, per-layer bookkeeping), so it measures what CUDA graphs / compilation remove
+    "qwen3-28l-h64": lambda: Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=28,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=4096, tie_word_embeddings=False),
     "llama-3.2-1b": lambda: LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                                         head_dim=64, max_position_embeddings=131072, rope_parameters=_LLAMA3_ROPE,

@@ -87,11 +87,14 @@ def paged_attention_forward(
         raise RuntimeError(f"attention {PAGED_ATTENTION_NAME!r} called without `paged_ctx`: only the engine uses it.")
     layer = module.layer_idx
     k_cache, v_cache, meta = paged_ctx.k_caches[layer], paged_ctx.v_caches[layer], paged_ctx.meta
-    k_cache[meta.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[meta.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
+    key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.index_copy_(0, meta.slot_mapping, key)
+    v_cache.index_copy_(0, meta.slot_mapping, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = paged_ctx.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale, sliding_window)  # [T, H, D]
-    return out[None], None
+    return out.unsqueeze(0), None
 
 
 AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)

@@ -44,8 +44,8 @@ class Segment:
 class ContextPlan:
     """Per-forward context layout of the torch backend (S segments, Q = longest query run, C = Cp + Cs)."""
 
-    slots: torch.Tensor  # [S, C] pool slot of every context column
-    masks: dict[MaskKey, torch.Tensor]  # [S, 1, Q, C] bool: which columns each query attends to
+    slots: torch.Tensor  # [S * C] pool slot of every context column, segment-major
+    masks: dict[MaskKey, torch.Tensor]  # [S, 1, Q, C] additive bias (0 / -inf): which columns each query sees
     query_index: tuple[torch.Tensor, torch.Tensor] | None  # (segment, index in segment) of each query; None: Q == 1
 
 
@@ -116,8 +116,8 @@ def with_context(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) -
     masks = {}
     for key in dict.fromkeys((None, *mask_keys)):
         mask = base if key is None else base & (kpos[:, None, :] > qpos[:, :, None] - key)
-        masks[key] = (mask | pad)[:, None]
-    return replace(meta, context=ContextPlan(slots=slots, masks=masks, query_index=query_index))
+        masks[key] = torch.zeros(mask.shape, device=device).masked_fill_(~(mask | pad), float("-inf"))[:, None]
+    return replace(meta, context=ContextPlan(slots=slots.reshape(-1), masks=masks, query_index=query_index))
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Reference paged attention in pure torch (any device): one gather of each segment's context, one masked SDPA.
 
 Everything that does not depend on the layer (context slots, masks, query padding) is in `meta.context`, built once
-per forward by `metadata.with_context`; a layer only gathers its own K/V and calls attention.
+per forward by `metadata.with_context`; a layer only gathers its own K/V and calls attention (a decode forward in a
+handful of ops: this runs 28+ times per step on the host-bound path).
 """
 
 from __future__ import annotations
@@ -22,29 +23,22 @@ def torch_paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of every query token over its segment's context in the pool (new tokens already written)."""
     plan = meta.context
-    num_seg, cols = plan.slots.shape
-    flat = plan.slots.reshape(-1)
-    keys = k_cache.index_select(0, flat).view(num_seg, cols, *k_cache.shape[1:]).transpose(1, 2)  # [S, Hkv, C, D]
-    values = v_cache.index_select(0, flat).view(num_seg, cols, *v_cache.shape[1:]).transpose(1, 2)
-    mask = plan.masks.get(sliding_window)
-    if mask is None:  # a window the model did not announce: build it here (correct, not cached)
-        mask = _window_mask(meta, sliding_window)
+    num_seg = meta.prompt_lens.shape[0]
+    keys = k_cache.index_select(0, plan.slots).view(num_seg, -1, *k_cache.shape[1:]).transpose(1, 2)  # [S,Hkv,C,D]
+    values = v_cache.index_select(0, plan.slots).view(num_seg, -1, *v_cache.shape[1:]).transpose(1, 2)
+    bias = plan.masks.get(sliding_window)
+    if bias is None:  # a window the model did not announce: build it here (correct, not cached)
+        from .metadata import with_context
+
+        bias = with_context(meta, (sliding_window,)).context.masks[sliding_window]
+    gqa = keys.shape[1] != query.shape[1]
     if plan.query_index is None:  # decode: one query per segment
-        padded_q = query[:, :, None]  # [S, H, 1, D]
-    else:
-        seg, idx = plan.query_index
-        padded_q = query.new_zeros(num_seg, meta.max_q_len, *query.shape[1:])  # [S, Q, H, D]
-        padded_q[seg, idx] = query
-        padded_q = padded_q.transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        padded_q, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != padded_q.shape[1]
-    )  # [S, H, Q, D]
-    if plan.query_index is None:
-        return out[:, :, 0]
-    return out.transpose(1, 2)[plan.query_index]
-
-
-def _window_mask(meta: PagedAttentionMetadata, window: int | None) -> torch.Tensor:
-    from .metadata import with_context
-
-    return with_context(meta, (window,)).context.masks[window]
+        out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=bias, scale=scale,
+                                             enable_gqa=gqa)  # [S, H, 1, D]
+        return out.squeeze(2)
+    seg, idx = plan.query_index
+    padded_q = query.new_zeros(num_seg, meta.max_q_len, *query.shape[1:])  # [S, Q, H, D]
+    padded_q[seg, idx] = query
+    out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values, attn_mask=bias, scale=scale,
+                                         enable_gqa=gqa)  # [S, H, Q, D]
+    return out.transpose(1, 2)[seg, idx]

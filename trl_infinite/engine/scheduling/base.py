@@ -48,6 +48,11 @@ class SchedulePolicy:
         """The waiting samples in the order they should be admitted."""
         return sorted(view.waiting, key=self.priority)
 
+    @property
+    def chunks(self) -> bool:
+        """Whether this policy overrides `chunk_limit` (the scheduler skips the per-sample check otherwise)."""
+        return type(self).chunk_limit is not SchedulePolicy.chunk_limit
+
     def chunk_limit(self, seq: Sequence) -> int | None:
         """Output length at which a running sample goes back to the queue with its KV kept (None = runs to the
         end). Length predictors that need the first k tokens use it to probe; `chunk_tokens` adds its own limit."""
