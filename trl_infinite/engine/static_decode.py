@@ -62,7 +62,12 @@ class StaticDecoder:
         self.graph_pool = None
         self.graph_bytes = 0
         self._fingerprint: tuple = ()
-        self._compiled = torch.compile(self._step, fullgraph=True, backend=compile_backend) if compile else None
+        self._compiled = None
+        self._guarded: set[tuple] = set()  # (bucket, widths kind, sampler key) already checked with full guards
+        if compile:
+            self._compiled = torch.compile(self._step, fullgraph=True, backend=compile_backend)
+            # one graph per (bucket, sampling settings): more than dynamo's default of 8 entries per function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
     # ------------------------------------------------------------------ per call
     def begin(self, sampler: Sampler, seed: int, capacity: int, prompt_blocks: int, own_blocks: int,
@@ -82,6 +87,7 @@ class StaticDecoder:
         if fingerprint != self._fingerprint:  # parameters gathered into new storage (ZeRO-3, FSDP): recapture
             self._fingerprint = fingerprint
             self.graphs.clear()
+            self._guarded.clear()
 
     def end(self) -> None:
         """Release the rows of the finished call (their samples are done)."""
@@ -130,7 +136,16 @@ class StaticDecoder:
             if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
                 torch._dynamo.maybe_mark_dynamic(args[4], 1)
                 torch._dynamo.maybe_mark_dynamic(args[5], 1)
-            return self._compiled(*args)
+            # Dynamo's guards over every parameter and attribute the step reads cost about as much as a small
+            # model's forward. They are evaluated in full the first time a (bucket, sampling settings) pair runs
+            # (compiling it if needed); afterwards only the guards that tell the compiled graphs apart run. The
+            # engine itself re-arms full checking when parameter storage changes (see `begin`).
+            key = (args[0].shape[1], self.sampler.params_key, self.want_hidden, args[6] is None)
+            if key not in self._guarded:
+                self._guarded.add(key)
+                return self._compiled(*args)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._compiled(*args)
 
     def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed):
         """The static region: [2, N] inputs and per-row state in, [N] tokens and log-probs out."""
