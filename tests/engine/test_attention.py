@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_infinite.engine.attention import PagedContext, Segment, build_metadata, torch_paged_attention
+from trl_infinite.engine.attention import LayerSpec, PagedContext, Segment, build_metadata, torch_paged_attention
 from trl_infinite.engine.attention import paged_attention_forward as attention_fn
 from trl_infinite.engine.attention.metadata import slots_for_positions
 
@@ -80,7 +80,7 @@ def test_paged_attention_matches_sdpa(window):
     query = torch.randn(new_k.shape[0], H, D, generator=torch.Generator().manual_seed(2))
 
     # the registered attention function writes the new K/V at slot_mapping, then runs the backend
-    ctx = PagedContext(k_cache, v_cache, meta, torch_paged_attention)
+    ctx = PagedContext(k_cache, v_cache, meta, torch_paged_attention, {0: LayerSpec(0, sliding_window=window)})
     out, _ = attention_fn(SimpleNamespace(layer_idx=0), query.transpose(0, 1)[None], new_k.transpose(0, 1)[None],
                           new_v.transpose(0, 1)[None], None, scaling=SCALE, sliding_window=window, paged_ctx=ctx)
     assert out.shape == (1, query.shape[0], H, D)

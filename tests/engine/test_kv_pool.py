@@ -50,13 +50,15 @@ def test_pool_is_sized_from_tokens_or_gigabytes(model):
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     pool = KVCachePool(cfg, EngineConfig(kv_cache_tokens=100, block_size=16), torch.float32, torch.device("cpu"))
     assert pool.num_blocks == 6  # floor(100 / 16): never more than the budget
-    assert pool.k_cache.shape == (layers, 6 * 16, kv_heads, head_dim) == pool.v_cache.shape
+    assert len(pool.k_caches) == len(pool.v_caches) == layers
+    assert all(t.shape == (6 * 16, kv_heads, head_dim) for t in pool.k_caches + pool.v_caches)
     assert pool.block_bytes == 2 * layers * 16 * kv_heads * head_dim * 4
     gb = 10 * pool.block_bytes / 1e9
     pool_gb = KVCachePool(cfg, EngineConfig(kv_cache_gb=gb * 1.0001, block_size=16), torch.float32,
                           torch.device("cpu"))
     assert pool_gb.num_blocks == 10
-    assert pool_gb.k_cache.numel() * 4 * 2 == 10 * pool.block_bytes  # K and V together fill exactly the budget
+    elements = sum(t.numel() for t in pool_gb.k_caches + pool_gb.v_caches)
+    assert elements * 4 == 10 * pool.block_bytes  # K and V together fill exactly the budget
 
 
 def test_allocator_free_list_and_refcounts():

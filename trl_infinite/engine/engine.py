@@ -10,6 +10,8 @@ import torch
 from .attention import Segment
 from .block_manager import blocks_for
 from .config import EngineConfig, SamplingParams
+from .eval_mode import eval_mode
+from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
 from .model_runner import ModelRunner, chunk_segments, last_rows
 from .outputs import RolloutResult, RolloutStats
@@ -17,6 +19,7 @@ from .sampler import Sampler, row_keys
 from .scheduler import ScheduledBatch, Scheduler
 from .scheduling.factory import build_policies, build_predictor
 from .sequence import Group, Sequence
+from .support import check_support
 
 FinishCallback = Callable[[int, int, list[int]], None]
 
@@ -25,6 +28,8 @@ class RolloutEngine:
     """Generates `num_generations` completions for each prompt with the model's current weights (no copy).
 
     The KV pool is allocated once, at construction, from `config`'s budget and reused by every `generate` call.
+    Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
+    `ValueError` naming the unsupported feature otherwise. `generate` runs the model in eval mode.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None):
@@ -32,8 +37,10 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         param = next(model.parameters())
         self.device = param.device
-        self.pool = KVCachePool(model.config, self.config, dtype=param.dtype, device=self.device)
-        self.runner = ModelRunner(model, self.pool, self.config.attention_backend)
+        self.support = check_support(model, self.config.attention_backend)
+        self.vocab_size = model_vocab_size(model)
+        self.pool = KVCachePool(self.support.kv, self.config, dtype=param.dtype, device=self.device)
+        self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers)
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # one length predictor per engine: it keeps learning from every call's finished samples
         self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k)
@@ -45,13 +52,9 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
-        if not isinstance(num_generations, int) or num_generations < 1:
+        if not isinstance(num_generations, int) or isinstance(num_generations, bool) or num_generations < 1:
             raise ValueError(f"`num_generations` must be an integer >= 1, got {num_generations!r}.")
-        if not prompt_ids:
-            raise ValueError("`prompt_ids` must hold at least one prompt (a list of token-id lists).")
-        for i, p in enumerate(prompt_ids):
-            if len(p) == 0:
-                raise ValueError(f"`prompt_ids[{i}]` is empty: every prompt needs at least one token.")
+        check_eos(sampling.eos_token_ids, self.vocab_size)
         max_new = sampling.max_new_tokens
         if max_new is None:
             if self.max_model_len is None:
@@ -74,7 +77,6 @@ class RolloutEngine:
         return self.config.num_speculative_tokens if self.speculator is not None else 0
 
     # ------------------------------------------------------------------ public API
-    @torch.no_grad()
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -85,9 +87,17 @@ class RolloutEngine:
     ) -> RolloutResult:
         """G completions per prompt, prompt-major. `forced_lengths[i][j]` (benchmarks) fixes sample j of prompt i
         to exactly that many tokens, EOS ignored. `on_sample_finished(prompt_idx, sample_idx, completion_ids)` is
-        called as each sample finishes, while the others keep decoding."""
+        called as each sample finishes, while the others keep decoding.
+
+        `prompt_ids`: a list of token-id lists (a 2D integer tensor / array is converted); ids must lie in
+        [0, vocab). The model runs in eval mode for the call and gets its previous mode back afterwards."""
         sampling = sampling or SamplingParams()
+        prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
+        with torch.no_grad(), eval_mode(self.model):
+            return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished)
+
+    def _generate(self, prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished):
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -179,7 +189,7 @@ class _Step:
         self.device = runner.device
         self.spec = None  # a `spec_decode.SpeculativeStep` replaces the plain decode forward when set
         self.prefix_k: int | None = None  # capture the hidden state at completion token k (prefix predictor)
-        self.host_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # divided rollout's host tier
+        self.host_kv: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # divided rollout's host tier
 
     def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
         self._swap(batch)
@@ -230,13 +240,10 @@ class _Step:
         pool, bs = self.runner.pool, self.runner.pool.block_size
         for seq, blocks in batch.swap_out:
             slots = (torch.tensor(blocks, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device))
-            slots = slots.reshape(-1)  # [n * B]
-            self.host_kv[seq.seq_id] = (pool.k_cache[:, slots].cpu(), pool.v_cache[:, slots].cpu())
+            self.host_kv[seq.seq_id] = pool.read_slots(slots.reshape(-1))  # [n * B] slots
         for seq, blocks in batch.swap_in:
             slots = (torch.tensor(blocks, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device))
-            k, v = self.host_kv.pop(seq.seq_id)
-            pool.k_cache[:, slots.reshape(-1)] = k.to(self.device)
-            pool.v_cache[:, slots.reshape(-1)] = v.to(self.device)
+            pool.write_slots(slots.reshape(-1), *self.host_kv.pop(seq.seq_id))
 
     @staticmethod
     def _decode_segment(seq: Sequence, token: int, pos: int) -> Segment:

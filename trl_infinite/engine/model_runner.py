@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from .attention import PagedContext, Segment, attention_configs, build_metadata, paged_attention, resolve_backend
+from .attention import (
+    LayerSpec,
+    PagedContext,
+    Segment,
+    attention_configs,
+    build_metadata,
+    paged_attention,
+    resolve_backend,
+)
 from .kv_pool import KVCachePool
 
 
 class ModelRunner:
     """One forward = one packed batch of segments; returns the logits of the requested query tokens only."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str):
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec]):
+        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`)."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.backend = resolve_backend(attention_backend, self.device)
+        self.layers = layers
         self._attn_configs = attention_configs(model)
 
     @torch.no_grad()
@@ -24,7 +34,7 @@ class ModelRunner:
 
         Returns (logits [R, V] or None, last hidden states [R, hidden] when `output_hidden`)."""
         input_ids, positions, meta = build_metadata(segments, self.pool.block_size, self.device)
-        ctx = PagedContext(self.pool.k_cache, self.pool.v_cache, meta, self.backend)
+        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.backend, self.layers)
         keep = logit_rows.to(self.device) if logit_rows is not None else torch.zeros(1, dtype=torch.long, device=self.device)
         with paged_attention(self.model, self._attn_configs):
             out = self.model(
@@ -35,7 +45,11 @@ class ModelRunner:
                 logits_to_keep=keep,
                 output_hidden_states=output_hidden,
             )
-        logits = out.logits[0] if logit_rows is not None else None
+        logits = None
+        if logit_rows is not None:
+            logits = out.logits[0]
+            if logits.shape[0] != keep.shape[0]:  # a model that ignores `logits_to_keep` returns every row
+                logits = logits[keep]
         hidden = out.hidden_states[-1][0, keep] if output_hidden else None
         return logits, hidden
 

@@ -4,7 +4,9 @@
 model's `config._attn_implementation` points at it and the forward kwargs carry a `PagedContext` (`paged_ctx=`).
 The function writes the new keys/values into the pool at `slot_mapping`, then calls the selected backend, which
 only reads the pool. Backends share one signature:
-`backend(query [T, H, D], k_cache [slots, Hkv, D], v_cache, meta, scale, sliding_window) -> [T, H, D]`.
+`backend(query [T, H, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv], meta, layer: LayerAttention)
+-> [T, H, Dv]`. The layer's pool index and mask pattern come from `PagedContext.layers` (one `LayerSpec` per
+`layer_idx`, found by the support probe); scale, soft-cap and sinks from the call's kwargs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 
 from ...utils.registry import Registry
+from .layer import LayerAttention, LayerSpec, allowed
 from .metadata import PagedAttentionMetadata, Segment, build_metadata
 from .torch_backend import torch_paged_attention
 
@@ -50,32 +53,46 @@ def resolve_backend(name: str, device: torch.device) -> Callable:
 class PagedContext:
     """Everything the attention function needs for one forward."""
 
-    k_cache: torch.Tensor  # [L, num_slots, Hkv, D]
-    v_cache: torch.Tensor
+    k_caches: list[torch.Tensor]  # per pool layer: [num_slots, Hkv, Dk]
+    v_caches: list[torch.Tensor]  # per pool layer: [num_slots, Hkv, Dv]
     meta: PagedAttentionMetadata
     backend: Callable
+    layers: dict[int, LayerSpec]  # module.layer_idx -> its spec
 
 
 def paged_attention_forward(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [1, H, T, D]
-    key: torch.Tensor,  # [1, Hkv, T, D]
-    value: torch.Tensor,
+    query: torch.Tensor,  # [1, H, T, Dk]
+    key: torch.Tensor,  # [1, Hkv, T, Dk]
+    value: torch.Tensor,  # [1, Hkv, T, Dv]
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     paged_ctx: PagedContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """The attention function registered as `PAGED_ATTENTION_NAME` (the model passes `sliding_window`; the spec
+    holds the same value, checked by the support probe). Returns ([1, T, H, Dv], None)."""
     if paged_ctx is None:
         raise RuntimeError(f"attention {PAGED_ATTENTION_NAME!r} called without `paged_ctx`: only the engine uses it.")
-    layer = module.layer_idx
-    k_cache, v_cache, meta = paged_ctx.k_cache[layer], paged_ctx.v_cache[layer], paged_ctx.meta
+    spec = paged_ctx.layers.get(getattr(module, "layer_idx", None))
+    if spec is None:
+        raise RuntimeError(f"attention module {type(module).__name__} (layer_idx "
+                           f"{getattr(module, 'layer_idx', None)}) was not seen when the engine checked the model.")
+    meta = paged_ctx.meta
+    k_cache, v_cache = paged_ctx.k_caches[spec.pool_index], paged_ctx.v_caches[spec.pool_index]
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_ctx.backend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale, sliding_window)  # [T, H, D]
+    layer = LayerAttention(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        sliding_window=spec.sliding_window,
+        softcap=softcap,
+        chunk_size=spec.chunk_size,
+        sinks=s_aux,
+    )
+    out = paged_ctx.backend(query[0].transpose(0, 1), k_cache, v_cache, meta, layer)  # [T, H, Dv]
     return out[None], None
 
 
@@ -105,9 +122,12 @@ def paged_attention(model: torch.nn.Module, configs: list | None = None) -> Iter
 
 __all__ = [
     "ATTENTION_BACKEND_FNS",
+    "LayerAttention",
+    "LayerSpec",
     "PAGED_ATTENTION_NAME",
     "PagedAttentionMetadata",
     "PagedContext",
+    "allowed",
     "attention_configs",
     "Segment",
     "build_metadata",
