@@ -84,6 +84,7 @@ def test_named_models_are_token_identical(name):
         ("roberta", {}, "does not number positions 0, 1, 2"),  # positions start after the padding index
         ("bart", {}, "ignores `position_ids`"),  # positions from the cache length
         ("hy_v4", {}, "'indexed_attention'"),
+        ("doge", {}, "carries an additive bias"),  # learned dynamic mask
     ],
 )
 def test_unsupported_models_are_refused_up_front(model_type, overrides, match):
@@ -91,3 +92,39 @@ def test_unsupported_models_are_refused_up_front(model_type, overrides, match):
     with pytest.raises(ValueError, match=match) as info:
         RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
     assert f"`{model.config.model_type}`" in str(info.value) and "use_vllm=True" in str(info.value)
+
+
+class _RunningSum(torch.nn.Module):
+    """A token mixer with state outside any KV cache: position t sees the sum of inputs 0..t."""
+
+    def __init__(self, inner: torch.nn.Module | None = None, hidden: int = 32):
+        super().__init__()
+        self.inner = inner
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        mixed = self.proj(hidden_states.cumsum(dim=1))
+        if self.inner is None:  # stands in for self-attention: (output, weights)
+            return mixed, None
+        return self.inner(hidden_states) + mixed
+
+
+def test_a_layer_without_attention_is_refused():
+    """Layer 1's attention replaced by a recurrent mixer the class-name and layer-type checks do not know."""
+    from _models import tiny_model
+
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn = _RunningSum()
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] run no attention .* holds .*_RunningSum"):
+        RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+
+
+def test_state_hidden_inside_a_layer_fails_the_exactness_check():
+    """Attention routes cleanly, but layer 0's MLP also mixes tokens: only prefill + decode against the model's own
+    forward can see it."""
+    from _models import tiny_model
+
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = _RunningSum(model.model.layers[0].mlp)
+    with pytest.raises(ValueError, match="does not reproduce the model's own forward .* keeps state"):
+        RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))

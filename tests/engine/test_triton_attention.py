@@ -188,8 +188,17 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch):
         tb.triton_paged_attention(torch.randn(1, 4, 8), k, v, meta, LayerAttention(scale=0.3))
 
 
-def test_engine_greedy_triton_equals_torch():
-    model = tiny_model("qwen3").to(DEVICE)
+def _tiny(name: str):
+    if name == "qwen3":
+        return tiny_model("qwen3")
+    from trl_infinite.utils.tiny_configs import build_tiny_model
+
+    return build_tiny_model(name)  # gpt_oss: sinks + sliding window 6; deepseek_v3: MLA (K 12 wide, V 8)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gpt_oss", "deepseek_v3"])
+def test_engine_greedy_triton_equals_torch(name):
+    model = _tiny(name).to(DEVICE)
     prompts = [[3, 14, 15, 9, 2, 6, 5, 3, 5], [8, 9, 7]]
     sampling = SamplingParams(max_new_tokens=6, do_sample=False)
     outs = {}

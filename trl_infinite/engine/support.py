@@ -11,8 +11,8 @@
    one the engine implements (scale, sliding window, soft-cap, sinks); that the mask the model builds for each layer
    is the causal / sliding-window / chunked pattern the engine reproduces. The K / V shapes seen give the pool's
    per-layer widths (`KVLayout`: MQA, GQA, MLA's K wider than V);
-3. exactness: a prompt prefilled into a small pool and three tokens decoded one at a time through the selected
-   attention backend give the logits of the model's own forward (relative error below `exactness_tolerance`).
+3. exactness (`exactness.py`): a prompt prefilled into a small pool and three tokens decoded one at a time through
+   the selected attention backend give the logits of the model's own forward.
 
 Any failure raises `ValueError` naming the model type, the unsupported feature and what to use instead.
 """
@@ -25,12 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import LayerSpec, Segment, allowed
-from .config import EngineConfig
+from .attention import LayerSpec, allowed
 from .eval_mode import eval_mode
+from .exactness import exactness_problem
 from .inputs import model_vocab_size
-from .kv_pool import KVCachePool, KVLayout
-from .model_runner import ModelRunner
+from .kv_pool import KVLayout
 from .probe import AttentionCall, ProbeRecord, probe_tokens, record_attention_calls
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -50,7 +49,6 @@ STATEFUL_MODULE = re.compile(r"Mamba|Mixer|SSM|Rwkv(SelfAttention|FeedForward)|D
                              r"|LightningAttention|ShortConv|Recurrent|Rglru|RgLru|LSTM|Lstm")
 PROBE_TOKENS = 24  # shortest probe sequence
 MAX_PROBE_TOKENS = 512  # the probe grows to show a window / chunk of the config up to this length
-DECODE_TOKENS = 3  # tokens decoded one at a time by the exactness check
 
 
 @dataclass(frozen=True)
@@ -80,11 +78,6 @@ def text_config(model: torch.nn.Module):
         return model.config
 
 
-def exactness_tolerance(dtype: torch.dtype) -> float:
-    """Largest relative logit error accepted: float32 round-off, or the resolution of 16-bit formats."""
-    return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-
-
 def check_support(model: torch.nn.Module, attention_backend: str = "torch") -> ModelSupport:
     """Run the three checks of the module docstring; return the layout or raise `ValueError`."""
     with eval_mode(model):
@@ -92,7 +85,9 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch") -> M
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
         support = verdict(model, record_attention_calls(model, ids))
-        check_exact(model, support, attention_backend, ids)
+        problem = exactness_problem(model, support, attention_backend, ids)
+        if problem is not None:
+            raise refusal(model, problem)
     return support
 
 
@@ -178,22 +173,29 @@ def _check_kwargs(model, calls: list[AttentionCall]) -> None:
             raise refusal(model, f"layer {c.layer_idx} applies attention dropout in eval mode")
 
 
-def _decoder_layers(model, num_layers: int):
+def _decoder_layers(model, num_layers: int, called: set[int]):
+    """The ModuleList of `num_layers` decoder layers: of the lists of that length, the one holding most of the
+    modules that called attention (None if no list holds any)."""
+    best, best_hits = None, 0
     for m in model.modules():
         if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers:
-            return m
-    return None
+            hits = sum(1 for sub in m.modules() if id(sub) in called)
+            if hits > best_hits:
+                best, best_hits = m, hits
+    return best
 
 
 def _check_coverage(model, calls: list[AttentionCall]) -> None:
     """Every decoder layer holds a module that called attention (or is a stateless MLP / MoE layer by config)."""
     cfg = text_config(model)
     num_layers = getattr(cfg, "num_hidden_layers", None)
-    layers = _decoder_layers(model, num_layers) if isinstance(num_layers, int) else None
+    called = {id(c.module) for c in calls}
+    layers = _decoder_layers(model, num_layers, called) if isinstance(num_layers, int) else None
     if layers is None:
         return
-    called = {id(c.module) for c in calls}
-    layer_types = getattr(cfg, "layer_types", None) or [None] * num_layers
+    layer_types = getattr(cfg, "layer_types", None)
+    layer_types = list(layer_types) if isinstance(layer_types, (list, tuple)) else []
+    layer_types += [None] * (num_layers - len(layer_types))
     bare = [i for i, layer in enumerate(layers)
             if not any(id(m) in called for m in layer.modules()) and layer_types[i] not in STATELESS_LAYER_TYPES]
     if bare:
@@ -239,58 +241,3 @@ def _layer_spec(model, call: AttentionCall, pool_index: int, num_tokens: int) ->
         (f", chunks of {spec.chunk_size}" if spec.chunk_size else "")
     raise refusal(model, f"the attention mask of layer {call.layer_idx} is not the {pattern} pattern the engine "
                   "implements")
-
-
-# ---------------------------------------------------------------------------------------------------- 3. exactness
-@torch.no_grad()
-def check_exact(model: torch.nn.Module, support: ModelSupport, attention_backend: str, ids: torch.Tensor) -> None:
-    """Prefill `ids[:-DECODE_TOKENS]`, decode the rest one token per forward through a small pool; the logits must
-    match the model's own forward of `ids` (positions P-1 .. N-1)."""
-    param = next(model.parameters())
-    tokens = ids[0].tolist()
-    n, p, block = len(tokens), len(tokens) - DECODE_TOKENS, 4
-    pool = KVCachePool(support.kv, EngineConfig(kv_cache_tokens=2 * n + 8 * block, block_size=block),
-                       dtype=param.dtype, device=param.device)
-    runner = ModelRunner(model, pool, attention_backend, support.layers)
-    prompt_blocks = pool.allocator.allocate(-(-p // block))
-    own_blocks = pool.allocator.allocate(-(-DECODE_TOKENS // block))
-    try:
-        rows = [runner.forward([Segment(p, prompt_blocks, [], 0, tokens[:p])], torch.tensor([p - 1]))[0]]
-        for j in range(DECODE_TOKENS):
-            seg = Segment(p, prompt_blocks, own_blocks, p + j, [tokens[p + j]])
-            rows.append(runner.forward([seg], torch.tensor([0]))[0])
-    except Exception as exc:  # noqa: BLE001
-        raise refusal(model, f"prefill and decode through the paged KV cache failed ({type(exc).__name__}: "
-                      f"{str(exc)[:200]})") from exc
-    got = torch.cat(rows).float()  # [DECODE_TOKENS + 1, V]
-    try:
-        ref = model(input_ids=ids, use_cache=False).logits[0, p - 1 :].float()
-    except Exception as exc:  # noqa: BLE001
-        raise refusal(model, f"its own forward fails ({type(exc).__name__}: {str(exc)[:200]})") from exc
-    err = _relative_error(got, ref)
-    if not err <= exactness_tolerance(param.dtype):
-        raise refusal(model, f"prefill + decode through the paged KV cache does not reproduce the model's own forward "
-                      f"(relative logit error {err:.2e} > {exactness_tolerance(param.dtype):.0e}): "
-                      f"{_diagnose(model, ids, ref)}")
-
-
-def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-
-
-def _diagnose(model: torch.nn.Module, ids: torch.Tensor, ref: torch.Tensor) -> str:
-    """Why the exactness check failed, when the model's positions explain it."""
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
-    tol = exactness_tolerance(next(model.parameters()).dtype)
-    try:
-        with_pos = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, -ref.shape[0] :]
-        shifted = model(input_ids=ids, position_ids=pos + 7, use_cache=False).logits[0, -ref.shape[0] :]
-    except Exception:  # noqa: BLE001
-        with_pos = shifted = None
-    if with_pos is not None and torch.equal(with_pos, shifted):
-        return "it ignores `position_ids` (positions come from the input or its cache), so the tokens of a packed " \
-               "batch get wrong positions"
-    if with_pos is not None and _relative_error(with_pos, ref) > tol:
-        return "its own forward does not number positions 0, 1, 2, ... as the `position_ids` the engine passes " \
-               "(e.g. an offset after the padding index)"
-    return "some layer keeps state between forwards or attends in a way the engine does not reproduce"
