@@ -97,7 +97,16 @@ class RolloutEngine:
         with torch.no_grad(), eval_mode(self.model):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished)
 
-    def _generate(self, prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished):
+    def _generate(
+        self,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        sampling: SamplingParams,
+        max_new: int,
+        forced_lengths: list[list[int]] | None,
+        on_sample_finished: FinishCallback | None,
+    ) -> RolloutResult:
+        """The body of `generate` on validated inputs, with the model in eval mode and gradients off."""
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -198,6 +198,7 @@ def markdown(rows: list[Row]) -> str:
     counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
     lines = [
         INTRO.rstrip("\n"),
+        "",
         f"`python -m trl_infinite.utils.model_matrix --out docs/models.md` (transformers {transformers.__version__}, "
         f"torch {torch.__version__}, CPU, float32) builds every causal-LM model type of transformers as a tiny "
         "random-weight model (`trl_infinite/utils/tiny_configs.py`: 2 layers, hidden 32, sliding window 6, attention "
