@@ -16,7 +16,7 @@ import time
 import torch
 from common import GB, Table, default_hbm_gbps, dtype_for, pick_device, run_header, sync, write_results
 
-from trl_infinite.engine.attention import Segment, build_metadata, torch_paged_attention
+from trl_infinite.engine.attention import LayerAttention, Segment, build_metadata, torch_paged_attention
 
 COLUMNS = ["prompts", "G", "prompt_len", "own_len", "variant", "us", "kv_MB", "GB/s", "x_roofline", "max_err"]
 
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     header = run_header(device, "python " + " ".join(shlex.quote(a) for a in sys.argv))
     table = Table(COLUMNS)
     tok_bytes = 2 * args.kv_heads * args.head_dim * torch.tensor([], dtype=dtype).element_size()
-    scale = args.head_dim**-0.5
+    layer = LayerAttention(scale=args.head_dim**-0.5)
     for n in args.num_prompts:
         for plen in args.prompt_len:
             for own in args.own_len:
@@ -91,10 +91,10 @@ def main(argv=None) -> None:
                         n, args.group_size, plen, own, args.block_size, shared=False)[0]
                     _, _, meta = build_metadata(cases, args.block_size, device)
                     fn = torch_paged_attention if variant == "torch" else triton_paged_attention
-                    out = fn(q, k, v, meta, scale)
+                    out = fn(q, k, v, meta, layer)
                     if ref is None:
-                        ref = torch_paged_attention(q.float(), k.float(), v.float(), meta, scale)
-                    secs = time_call(lambda f=fn, m=meta, q=q, k=k, v=v: f(q, k, v, m, scale), device, args.iters)
+                        ref = torch_paged_attention(q.float(), k.float(), v.float(), meta, layer)
+                    secs = time_call(lambda f=fn, m=meta, q=q, k=k, v=v: f(q, k, v, m, layer), device, args.iters)
                     ctx = n * plen + len(segs) * own if variant == "triton" else len(segs) * (plen + own)
                     kv = ctx * tok_bytes
                     table.add(prompts=n, G=args.group_size, prompt_len=plen, own_len=own, variant=variant,

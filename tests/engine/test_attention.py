@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_infinite.engine.attention import PagedContext, Segment, build_metadata, torch_paged_attention, with_context
+from trl_infinite.engine.attention import (
+    LayerSpec,
+    PagedContext,
+    Segment,
+    build_metadata,
+    torch_paged_attention,
+    with_context,
+)
 from trl_infinite.engine.attention import paged_attention_forward as attention_fn
 from trl_infinite.engine.attention.metadata import slots_for_positions
 
@@ -81,7 +88,8 @@ def test_paged_attention_matches_sdpa(window):
 
     # the registered attention function writes the new K/V at slot_mapping, then runs the backend, whose
     # per-forward plan (context slots and masks) is built once
-    ctx = PagedContext([k_cache], [v_cache], with_context(meta, (window,)), torch_paged_attention)
+    ctx = PagedContext([k_cache], [v_cache], with_context(meta, ((window, None),)), torch_paged_attention,
+                       {0: LayerSpec(0, sliding_window=window)})
     out, _ = attention_fn(SimpleNamespace(layer_idx=0), query.transpose(0, 1)[None], new_k.transpose(0, 1)[None],
                           new_v.transpose(0, 1)[None], None, scaling=SCALE, sliding_window=window, paged_ctx=ctx)
     assert out.shape == (1, query.shape[0], H, D)

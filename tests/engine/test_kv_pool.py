@@ -140,3 +140,19 @@ def test_model_zoo_unknown_name():
 
     with pytest.raises(ValueError, match="config"):
         random_model("gpt-7")
+
+
+def test_pool_layout_with_per_layer_widths():
+    """MLA-style layers (keys 12 wide, values 8) and a layer with one KV head: per-layer tensors, exact block bytes."""
+    from trl_infinite.engine.kv_pool import KVLayout
+
+    layout = KVLayout(num_kv_heads=(4, 1), k_dims=(12, 16), v_dims=(8, 16))
+    pool = KVCachePool(layout, EngineConfig(kv_cache_tokens=64, block_size=16), torch.float32, torch.device("cpu"))
+    assert [t.shape for t in pool.k_caches] == [(64, 4, 12), (64, 1, 16)]
+    assert [t.shape for t in pool.v_caches] == [(64, 4, 8), (64, 1, 16)]
+    assert pool.block_bytes == 16 * (4 * (12 + 8) + 1 * (16 + 16)) * 4
+    pool.k_caches[0][[3, 17]] = 1.0  # slots 3 (block 0) and 17 (block 1)
+    saved = pool.copy_out([0, 1])  # the host tier: per-layer copies of whole blocks
+    pool.k_caches[0].zero_()
+    pool.copy_in([2, 0], saved)  # back into other blocks: block 0's content lands in block 2, block 1's in 0
+    assert pool.k_caches[0][[35, 1]].eq(1.0).all() and pool.k_caches[0].sum() == 2 * 4 * 12

@@ -58,8 +58,8 @@ def _check_rows_match_host_metadata(rows: DecodeRows, seqs):
     assert rows.inputs[0, :n].tolist() == ids[0].tolist() and rows.inputs[1, :n].tolist() == pos[0].tolist()
     assert torch.equal(meta.slot_mapping, ref.slot_mapping)
     got, want = with_context(meta, ()).context, with_context(ref, ()).context
-    valid = want.masks[None] == 0
-    assert torch.equal(got.masks[None] == 0, valid)  # the same columns are visible ...
+    valid = want.masks[(None, None)] == 0
+    assert torch.equal(got.masks[(None, None)] == 0, valid)  # the same columns are visible ...
     assert torch.equal(got.slots.view(n, -1)[valid[:, 0, 0]], want.slots.view(n, -1)[valid[:, 0, 0]])  # ... same slots
 
 

@@ -21,6 +21,7 @@ from _models import tiny_model  # noqa: E402
 
 from trl_infinite.engine import RolloutEngine  # noqa: E402
 from trl_infinite.engine.attention import (  # noqa: E402
+    LayerAttention,
     Segment,
     build_metadata,
     torch_paged_attention,
@@ -34,10 +35,10 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # max ab
 PAGE = 4
 
 
-def _pool(num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+def _pool(num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0, v_dim: int = 0):
     g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks * PAGE, num_kv_heads, head_dim)
-    return (torch.randn(shape, generator=g).to(DEVICE, dtype), torch.randn(shape, generator=g).to(DEVICE, dtype))
+    k = torch.randn(num_blocks * PAGE, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    return k, torch.randn(num_blocks * PAGE, num_kv_heads, v_dim or head_dim, generator=g).to(DEVICE, dtype)
 
 
 def _decode_segments(group_sizes: list[int], prompt_lens: list[int], seed: int = 0, shared: bool = True):
@@ -58,21 +59,23 @@ def _decode_segments(group_sizes: list[int], prompt_lens: list[int], seed: int =
     return segs, next_block
 
 
-def _triton(q, k, v, meta, scale, window=None):
+def _triton(q, k, v, meta, layer):
     """The Triton backend as the engine runs it: its per-forward plan first, then the layer call."""
-    return tb.triton_paged_attention(q, k, v, tb.prepare_cascade(meta, (window,)), scale, window)
+    return tb.triton_paged_attention(q, k, v, tb.prepare_cascade(meta, ((layer.sliding_window, layer.chunk_size),)),
+                                     layer)
 
 
-def _reference(q, k, v, meta, scale, window=None):
-    return torch_paged_attention(q, k, v, with_context(meta, (window,)), scale, window)
+def _reference(q, k, v, meta, layer):
+    return torch_paged_attention(q, k, v, with_context(meta, ((layer.sliding_window, layer.chunk_size),)), layer)
 
 
-def _compare(segs, num_blocks, heads, kv_heads, head_dim, dtype):
-    k, v = _pool(num_blocks, kv_heads, head_dim, dtype)
+def _compare(segs, num_blocks, heads, kv_heads, head_dim, dtype, v_dim=0, **features):
+    k, v = _pool(num_blocks, kv_heads, head_dim, dtype, v_dim=v_dim)
     _, _, meta = build_metadata(segs, PAGE, DEVICE)
     q = torch.randn(1, heads, len(segs), head_dim).to(DEVICE, dtype)[0].transpose(0, 1)  # strided, like the model's
-    got = _triton(q, k, v, meta, head_dim**-0.5)
-    ref = _reference(q.float(), k.float(), v.float(), meta, head_dim**-0.5)
+    layer = LayerAttention(scale=head_dim**-0.5, **features)
+    got = _triton(q, k, v, meta, layer)
+    ref = _reference(q.float(), k.float(), v.float(), meta, layer)
     assert got.dtype == dtype and got.shape == ref.shape
     err = (got.float() - ref).abs().max().item()
     assert err < TOL[dtype], f"max abs error {err} >= {TOL[dtype]}"
@@ -84,6 +87,45 @@ def test_cascade_decode_matches_reference(dtype, heads, kv_heads, head_dim):
     # prompts of 1, 9 and 37 tokens (37 > one KV tile of 32), groups of 1, 3 and 4 samples, suffixes of 1..41
     segs, n = _decode_segments([3, 1, 4], [9, 1, 37], seed=heads + head_dim)
     _compare(segs, n, heads, kv_heads, head_dim, dtype)
+
+
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 3.0, 1.0])  # [H] for up to 8 query heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "features",
+    [dict(sliding_window=5), dict(chunk_size=8), dict(sliding_window=40, chunk_size=16), dict(softcap=2.0),
+     dict(sinks=SINKS[:4]), dict(softcap=1.5, sinks=SINKS[:4], sliding_window=7)],
+    ids=["window", "chunk", "window+chunk", "softcap", "sinks", "all"],
+)
+def test_cascade_decode_layer_features(dtype, features):
+    # windows / chunks that end inside the prompt, inside the own tokens, and inside one tile; sharp scores so the
+    # soft-cap (2.0 < |scale * <q, k>|) changes the result
+    segs, n = _decode_segments([3, 1, 4], [9, 1, 37], seed=11)
+    if "sinks" in features:
+        features = {**features, "sinks": features["sinks"].to(DEVICE)}
+    _compare(segs, n, 4, 2, 8, dtype, **features)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim", [(8, 1, 8, 8), (4, 4, 12, 8), (4, 1, 24, 16)],
+                         ids=["mqa", "mla", "mqa+mla"])
+def test_cascade_decode_head_layouts(heads, kv_heads, head_dim, v_dim):
+    # MQA (GPTBigCode: one KV head for all query heads) and MLA (DeepSeek: keys wider than values)
+    segs, n = _decode_segments([2, 3], [6, 33], seed=13)
+    _compare(segs, n, heads, kv_heads, head_dim, torch.float32, v_dim=v_dim, sinks=SINKS[:heads].to(DEVICE))
+    _compare(segs, n, heads, kv_heads, head_dim, torch.float32, v_dim=v_dim, sliding_window=6)
+
+
+def test_soft_cap_changes_the_output():
+    # guard for the test above: with these scores, dropping the cap would be caught
+    segs, n = _decode_segments([3, 1, 4], [9, 1, 37], seed=11)
+    k, v = _pool(n, 2, 8, torch.float32)
+    _, _, meta = build_metadata(segs, PAGE, DEVICE)
+    q = torch.randn(len(segs), 4, 8, device=DEVICE)
+    capped = _triton(q, k, v, meta, LayerAttention(scale=8**-0.5, softcap=2.0))
+    plain = _triton(q, k, v, meta, LayerAttention(scale=8**-0.5))
+    assert (capped - plain).abs().max().item() > 1e-2
 
 
 def test_large_group_spans_several_row_tiles(monkeypatch):
@@ -100,6 +142,7 @@ def test_split_k_suffix(monkeypatch, splits):
     segs, n = _decode_segments([3, 2], [9, 21], seed=7)
     _compare(segs, n, 4, 2, 8, torch.float32)
     _compare(segs, n, 4, 2, 8, torch.bfloat16)
+    _compare(segs, n, 4, 2, 8, torch.float32, sliding_window=19, sinks=SINKS[:4].to(DEVICE))
 
 
 def test_suffix_splits_heuristic():
@@ -134,7 +177,7 @@ def test_cascade_plan_runs():
     assert run_len.tolist() == [1, 1, 3, 0, 0]  # group 0 splits (different prompt blocks), group 2 is one run
 
 
-def test_multi_token_and_sliding_window_use_reference(monkeypatch):
+def test_multi_token_forwards_use_reference(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the decode kernel must not run here")
 
@@ -143,9 +186,8 @@ def test_multi_token_and_sliding_window_use_reference(monkeypatch):
     prefill = [Segment(6, [1, 2], [], 0, [1, 2, 3, 4, 5, 6], 0), Segment(2, [3], [4], 2, [1], 1)]
     _, _, meta = build_metadata(prefill, PAGE, DEVICE)
     q = torch.randn(7, 4, 8, device=DEVICE)
-    assert torch.equal(_triton(q, k, v, meta, 0.3), _reference(q, k, v, meta, 0.3))
-    _, _, meta = build_metadata(prefill[1:], PAGE, DEVICE)
-    assert torch.equal(_triton(q[:1], k, v, meta, 0.3, 2), _reference(q[:1], k, v, meta, 0.3, 2))
+    layer = LayerAttention(scale=0.3, sliding_window=2, softcap=1.0)
+    assert torch.equal(_triton(q, k, v, meta, layer), _reference(q, k, v, meta, layer))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
@@ -155,11 +197,20 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch):
     k, v = _pool(n, 2, 8, torch.float32)
     _, _, meta = build_metadata(segs, PAGE, DEVICE)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        _triton(torch.randn(1, 4, 8), k, v, meta, 0.3)
+        _triton(torch.randn(1, 4, 8), k, v, meta, LayerAttention(scale=0.3))
 
 
-def test_engine_greedy_triton_equals_torch():
-    model = tiny_model("qwen3").to(DEVICE)
+def _tiny(name: str):
+    if name == "qwen3":
+        return tiny_model("qwen3")
+    from trl_infinite.utils.tiny_configs import build_tiny_model
+
+    return build_tiny_model(name)  # gpt_oss: sinks + sliding window 6; deepseek_v3: MLA (K 12 wide, V 8)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gpt_oss", "deepseek_v3"])
+def test_engine_greedy_triton_equals_torch(name):
+    model = _tiny(name).to(DEVICE)
     prompts = [[3, 14, 15, 9, 2, 6, 5, 3, 5], [8, 9, 7]]
     sampling = SamplingParams(max_new_tokens=6, do_sample=False)
     outs = {}
@@ -183,12 +234,14 @@ def compile_for_hopper() -> None:
 
     from trl_infinite.engine.attention.triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
 
-    common = dict(HEAD_DIM=128, BLOCK_D=128, GQA=2, PAGE=16, BLOCK_N=32, PRECISION="tf32", UPCAST=False)
+    # every feature on: MLA widths (K 192, V 128), soft-cap, sinks, sliding window, chunks
+    common = dict(HEAD_DIM_K=192, BLOCK_DK=256, HEAD_DIM_V=128, BLOCK_DV=128, GQA=2, PAGE=16, BLOCK_N=32,
+                  PRECISION="tf32", UPCAST=False, SOFTCAP=True, HAS_WINDOW=True, HAS_CHUNK=True)
     float_ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
     for fn, constexprs in [
-        (_prefix_kernel, {**common, "BLOCK_M": 64}),
+        (_prefix_kernel, {**common, "BLOCK_M": 64, "HAS_SINKS": True}),
         (_suffix_kernel, {**common, "BLOCK_M": 16, "SPLITS": 4}),
-        (_merge_kernel, {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": 4}),
+        (_merge_kernel, {"HEAD_DIM_V": 128, "BLOCK_DV": 128, "SPLITS": 4}),
     ]:
         sig = {}
         for name in inspect.signature(fn.fn).parameters:
@@ -197,9 +250,9 @@ def compile_for_hopper() -> None:
             elif name in float_ptrs:
                 sig[name] = float_ptrs[name]
             elif name.endswith("_ptr"):
-                sig[name] = "*fp32" if name.startswith(("o_", "lse", "part")) else "*i64"
+                sig[name] = "*fp32" if name.startswith(("o_", "lse", "part", "sinks")) else "*i64"
             else:
-                sig[name] = "fp32" if name == "scale_log2" else "i64"
+                sig[name] = "fp32" if name in ("scale", "softcap") else "i64"
         kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
         assert kernel.asm["cubin"], fn.fn.__name__
     print("compiled")

@@ -94,3 +94,16 @@ def test_unsupported_generation_kwargs_are_refused(tmp_path, model, tokenizer, d
         InfiniteGRPOTrainer(
             model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset, processing_class=tokenizer
         )
+
+
+def test_hybrid_model_is_refused_when_the_trainer_is_built(tmp_path, tokenizer, dataset):
+    """A Mamba model fails the support contract at construction, naming the feature and `use_vllm=True`."""
+    from conftest import token_sum_reward
+
+    from trl_infinite.trainer import InfiniteGRPOTrainer
+    from trl_infinite.utils.tiny_configs import build_tiny_model
+
+    model = build_tiny_model("mamba", vocab_size=len(tokenizer))
+    with pytest.raises(ValueError, match="`mamba`.*linear_attention.*use_vllm=True"):
+        InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),
+                            train_dataset=dataset, processing_class=tokenizer)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .inputs import eos_list
+
 SAMPLING_MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -11,6 +13,20 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def _integer(name: str, value, minimum: int = 1, allow_none: bool = False) -> None:
+    """An int (not a bool, not a float such as 2.5 or 16.0) >= `minimum`, or None where allowed."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"`{name}` must be an integer >= {minimum}{none}, got {value!r}.")
+
+
+def _number(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a number, got {value!r}.")
 
 
 def _positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
@@ -109,20 +125,21 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _choice("sampling_mode", self.sampling_mode, SAMPLING_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _positive("max_active_sequences", self.max_active_sequences, allow_none=True)
+        _integer("max_active_sequences", self.max_active_sequences, allow_none=True)
         if self.max_active_sequences is None and self.sampling_mode in ("micro_group", "fixed_slot"):
             raise ValueError(
                 f"`max_active_sequences` must be a positive integer for sampling_mode={self.sampling_mode!r}."
             )
-        _positive("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
+        _integer("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
         _positive("kv_cache_gb", self.kv_cache_gb, allow_none=True)
         if self.kv_cache_tokens is not None and self.kv_cache_gb is not None:
             raise ValueError("Set at most one of `kv_cache_tokens` and `kv_cache_gb`, not both.")
+        _number("kv_cache_fraction", self.kv_cache_fraction)
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"`kv_cache_fraction` must be in (0, 1], got {self.kv_cache_fraction!r}.")
-        _positive("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
-        _positive("block_size", self.block_size)
-        _positive("max_prefill_tokens", self.max_prefill_tokens)
+        _integer("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
+        _integer("block_size", self.block_size)
+        _integer("max_prefill_tokens", self.max_prefill_tokens)
         for name in ("cuda_graphs", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
@@ -142,12 +159,10 @@ class EngineConfig:
 
         if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
             _choice("length_predictor", self.length_predictor, tuple(PREDICTORS))
-        if not isinstance(self.prefix_predictor_k, int) or self.prefix_predictor_k < 1:
-            raise ValueError(f"`prefix_predictor_k` must be an integer >= 1, got {self.prefix_predictor_k!r}.")
+        _integer("prefix_predictor_k", self.prefix_predictor_k)
         if not isinstance(self.fptas_epsilon, (int, float)) or not 0.0 < self.fptas_epsilon <= 1.0:
             raise ValueError(f"`fptas_epsilon` must be in (0, 1], got {self.fptas_epsilon!r}.")
-        if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
-            raise ValueError(f"`chunk_tokens` must be an integer >= 1 or None, got {self.chunk_tokens!r}.")
+        _integer("chunk_tokens", self.chunk_tokens, allow_none=True)
         _positive("sla_decode_ms", self.sla_decode_ms, allow_none=True)
         if self.batch_policy == "sla" and self.sla_decode_ms is None:
             raise ValueError("`batch_policy='sla'` needs `sla_decode_ms` (target decode step latency in ms).")
@@ -156,8 +171,7 @@ class EngineConfig:
         from ..spec_decode import DRAFTERS
 
         _choice("speculative_method", self.speculative_method, (None, *DRAFTERS))
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(f"`num_speculative_tokens` must be an integer >= 1, got {self.num_speculative_tokens!r}.")
+        _integer("num_speculative_tokens", self.num_speculative_tokens)
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"`speculative_adaptive` must be True or False, got {self.speculative_adaptive!r}.")
         if self.speculative_method == "draft_model" and self.speculative_draft_model is None:
@@ -190,22 +204,21 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens is not None:
-            if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-                raise ValueError(f"`max_new_tokens` must be a positive integer or None, got {self.max_new_tokens!r}.")
+        _integer("max_new_tokens", self.max_new_tokens, allow_none=True)
         _positive("temperature", self.temperature, allow_zero=True)
+        _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p!r}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"`top_k` must be an integer >= 0 (0 disables it), got {self.top_k!r}.")
+        _integer("top_k", self.top_k, minimum=0)
+        _number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"`min_p` must be in [0, 1], got {self.min_p!r}.")
         _positive("repetition_penalty", self.repetition_penalty)
-        self.eos_token_ids = [int(t) for t in (self.eos_token_ids or [])]
+        self.eos_token_ids = eos_list(self.eos_token_ids)
         if not self.eos_token_ids and self.max_new_tokens is None:
             raise ValueError("`eos_token_ids` is empty and `max_new_tokens` is None: generation would never stop. "
                              "Set `max_new_tokens` to a positive integer or give at least one EOS id.")
-        if not isinstance(self.seed, int):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}.")
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import (
+    LayerSpec,
     PagedAttentionMetadata,
     PagedContext,
     Segment,
@@ -12,7 +13,6 @@ from .attention import (
     build_metadata,
     paged_attention,
     resolve_backend,
-    sliding_windows,
 )
 from .kv_pool import KVCachePool
 
@@ -20,12 +20,15 @@ from .kv_pool import KVCachePool
 class ModelRunner:
     """One forward = one packed batch; returns the logits of the requested query tokens only."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str):
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec]):
+        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`)."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.backend = resolve_backend(attention_backend, self.device)
-        self.mask_keys = sliding_windows(model)
+        self.layers = layers
+        # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
+        self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
         self.attn_configs = attention_configs(model)
 
     def routed(self):
@@ -43,7 +46,7 @@ class ModelRunner:
         """Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
         Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
         meta = self.backend.prepare(meta, self.mask_keys)
-        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.backend.attend)
+        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.backend.attend, self.layers)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
@@ -52,13 +55,16 @@ class ModelRunner:
             logits_to_keep=logits_to_keep,
             output_hidden_states=output_hidden,
         )
+        logits = out.logits[0]
+        keep = isinstance(logits_to_keep, torch.Tensor)
+        if keep and logits.shape[0] != logits_to_keep.shape[0]:  # a model that ignores `logits_to_keep`
+            logits = logits[logits_to_keep]
         hidden = None
         if output_hidden:
             last = out.hidden_states[-1][0]
-            hidden = last if isinstance(logits_to_keep, int) else last[logits_to_keep]
-        return out.logits[0], hidden
+            hidden = last[logits_to_keep] if keep else last
+        return logits, hidden
 
-    @torch.no_grad()
     def forward(self, segments: list[Segment], logit_rows: torch.Tensor, output_hidden: bool = False):
         """Eager forward of host-side segments; `logit_rows` [R] indexes the packed query tokens whose logits are
         needed. Returns (logits [R, V], hidden [R, hidden] or None)."""

@@ -51,9 +51,9 @@ class StaticDecoder:
         self.device = runner.device
         self.block_size = runner.pool.block_size
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        # kernels whose work follows each row's length read the whole tables; a gathering backend reads only the
-        # columns in use (and so does every layer that falls back to it)
-        self.full_tables = not runner.backend.gathers_columns and not runner.mask_keys
+        # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
+        # in use
+        self.full_tables = not runner.backend.gathers_columns
         self.rows: DecodeRows | None = None
         self.sampler: Sampler | None = None
         self.want_hidden = False

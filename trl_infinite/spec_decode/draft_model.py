@@ -18,6 +18,7 @@ from ..engine.kv_pool import KVCachePool
 from ..engine.model_runner import ModelRunner, last_rows
 from ..engine.sampler import Sampler, row_keys
 from ..engine.sequence import Sequence
+from ..engine.support import check_support
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
 
 STREAM_DRAFT = 3
@@ -49,8 +50,9 @@ class DraftModelDrafter(Drafter):
         pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=config.block_size,
                                 attention_backend=config.attention_backend)
         dtype = next(draft_model.parameters()).dtype
-        self.pool = KVCachePool(draft_model.config, pool_cfg, dtype=dtype, device=device)
-        self.runner = ModelRunner(draft_model, self.pool, config.attention_backend)
+        support = check_support(draft_model, config.attention_backend)  # the draft model runs on the pool too
+        self.pool = KVCachePool(support.kv, pool_cfg, dtype=dtype, device=device)
+        self.runner = ModelRunner(draft_model, self.pool, config.attention_backend, support.layers)
         self.sampler = Sampler(sampling)
         self.seed = sampling.seed
         self.device = device

@@ -18,6 +18,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
 from ..engine import RolloutEngine
+from ..engine.support import check_structure
 from .backprop import make_micro_batches
 from .config import engine_config_from_args
 from .rollout import check_generation_kwargs, generate_rows, rollout_metrics, rollout_seed, sampling_params
@@ -43,6 +44,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         self.engine_config = engine_config_from_args(self.args)
         if self.uses_engine:
             check_generation_kwargs(self.args.generation_kwargs)
+            check_structure(self.model)  # hybrids / SSMs refused now; the full contract runs when the engine is built
         self._engine: RolloutEngine | None = None
         self._rollout_calls = 0
         self._reward_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards")

@@ -6,7 +6,10 @@ The function writes the new keys/values into the pool at `slot_mapping`, then ca
 only reads the pool. A backend is a pair of functions:
 - `prepare(meta, mask_keys) -> meta`, run once per forward, adds what every layer will reuse (context slots and
   masks, the cascade plan);
-- `attend(query [T, H, D], k_cache [slots, Hkv, D], v_cache, meta, scale, sliding_window) -> [T, H, D]`, per layer.
+- `attend(query [T, H, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv], meta, layer: LayerAttention)
+  -> [T, H, Dv]`, per layer.
+The layer's pool index and mask pattern come from `PagedContext.layers` (one `LayerSpec` per `layer_idx`, found by
+the support probe); scale, soft-cap and sinks from the call's kwargs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from transformers import AttentionInterface
 
 from ...utils.registry import Registry
+from .layer import LayerAttention, LayerSpec, allowed
 from .metadata import MaskKey, PagedAttentionMetadata, Segment, build_metadata, decode_metadata, with_context
 from .torch_backend import torch_paged_attention
 
@@ -65,45 +69,53 @@ def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
 class PagedContext:
     """Everything the attention function needs for one forward (`meta` already prepared by the backend)."""
 
-    k_caches: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
-    v_caches: list[torch.Tensor]
+    k_caches: list[torch.Tensor]  # per pool layer: [num_slots, Hkv, Dk]
+    v_caches: list[torch.Tensor]  # per pool layer: [num_slots, Hkv, Dv]
     meta: PagedAttentionMetadata
     attend: Callable
+    layers: dict[int, LayerSpec]  # module.layer_idx -> its spec
 
 
 def paged_attention_forward(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [1, H, T, D]
-    key: torch.Tensor,  # [1, Hkv, T, D]
-    value: torch.Tensor,
+    query: torch.Tensor,  # [1, H, T, Dk]
+    key: torch.Tensor,  # [1, Hkv, T, Dk]
+    value: torch.Tensor,  # [1, Hkv, T, Dv]
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     paged_ctx: PagedContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """The attention function registered as `PAGED_ATTENTION_NAME` (the model passes `sliding_window`; the spec
+    holds the same value, checked by the support probe). Returns ([1, T, H, Dv], None)."""
     if paged_ctx is None:
         raise RuntimeError(f"attention {PAGED_ATTENTION_NAME!r} called without `paged_ctx`: only the engine uses it.")
-    layer = module.layer_idx
-    k_cache, v_cache, meta = paged_ctx.k_caches[layer], paged_ctx.v_caches[layer], paged_ctx.meta
+    spec = paged_ctx.layers.get(getattr(module, "layer_idx", None))
+    if spec is None:
+        raise RuntimeError(f"attention module {type(module).__name__} (layer_idx "
+                           f"{getattr(module, 'layer_idx', None)}) was not seen when the engine checked the model.")
+    meta = paged_ctx.meta
+    k_cache, v_cache = paged_ctx.k_caches[spec.pool_index], paged_ctx.v_caches[spec.pool_index]
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     if key.dtype != k_cache.dtype:
         key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, key)
     v_cache.index_copy_(0, meta.slot_mapping, value)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_ctx.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, scale, sliding_window)  # [T, H, D]
+    layer = LayerAttention(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        sliding_window=spec.sliding_window,
+        softcap=softcap,
+        chunk_size=spec.chunk_size,
+        sinks=s_aux,
+    )
+    out = paged_ctx.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, layer)  # [T, H, Dv]
     return out.unsqueeze(0), None
 
 
 AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
-
-
-def sliding_windows(model: torch.nn.Module) -> tuple[MaskKey, ...]:
-    """The distinct sliding windows of the model's attention layers (their masks are built once per forward)."""
-    found = {getattr(m, "sliding_window", None) for m in model.modules() if hasattr(m, "layer_idx")}
-    return tuple(sorted(w for w in found if isinstance(w, int) and w > 0))
 
 
 def attention_configs(model: torch.nn.Module) -> list:
@@ -130,16 +142,18 @@ def paged_attention(model: torch.nn.Module, configs: list | None = None) -> Iter
 __all__ = [
     "ATTENTION_BACKEND_FNS",
     "AttentionBackend",
+    "LayerAttention",
+    "LayerSpec",
     "MaskKey",
     "PAGED_ATTENTION_NAME",
     "PagedAttentionMetadata",
     "PagedContext",
+    "allowed",
     "attention_configs",
     "Segment",
     "build_metadata",
     "decode_metadata",
     "paged_attention",
-    "sliding_windows",
     "register_attention_backend",
     "resolve_backend",
     "torch_paged_attention",

@@ -12,7 +12,8 @@ batch (one token per row, no host data: it runs inside a compiled / captured reg
 
 `ContextPlan` is what the torch backend needs, computed once per forward: every segment's context laid out as
 `[prefix columns | own columns]` (`Cp = Wp * B` slots read through the prefix table, `Cs = Ws * B` through the own
-table), the pool slot of each column and one boolean mask per attention pattern (full / sliding window).
+table), the pool slot of each column and one additive mask per attention pattern of the model's layers (sliding
+window, chunk: `layer.allowed`, the one mask rule every backend follows).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-MaskKey = int | None  # the sliding window of a layer (None = full causal attention)
+from .layer import allowed
+
+MaskKey = tuple[int | None, int | None]  # (sliding window, chunk size) of a layer; (None, None) = full causal
 
 
 @dataclass
@@ -111,12 +114,12 @@ def with_context(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) -
         qpos = torch.full((num_seg, meta.max_q_len), -1, dtype=torch.long, device=device)
         qpos[meta.q_seg, q_idx] = meta.q_pos
         query_index = (meta.q_seg, q_idx)
-    base = in_table[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # [S, Q, C]
     pad = (qpos < 0)[:, :, None] & (col == 0)  # padding queries attend to one column (no NaN)
     masks = {}
-    for key in dict.fromkeys((None, *mask_keys)):
-        mask = base if key is None else base & (kpos[:, None, :] > qpos[:, :, None] - key)
-        masks[key] = torch.zeros(mask.shape, device=device).masked_fill_(~(mask | pad), float("-inf"))[:, None]
+    for window, chunk in dict.fromkeys(((None, None), *mask_keys)):
+        mask = in_table[:, None, :] & allowed(qpos[:, :, None], kpos[:, None, :], window, chunk)  # [S, Q, C]
+        bias = torch.zeros(mask.shape, device=device).masked_fill_(~(mask | pad), float("-inf"))
+        masks[(window, chunk)] = bias[:, None]
     return replace(meta, context=ContextPlan(slots=slots.reshape(-1), masks=masks, query_index=query_index))
 
 

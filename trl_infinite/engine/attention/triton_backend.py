@@ -1,11 +1,13 @@
 """Triton paged attention backend ("triton"): shared-prefix (cascade) decode kernels, torch reference otherwise.
 
 What runs where:
-- decode forwards (every segment has one query token, no sliding window): `_prefix_kernel` once per group of
-  segments sharing a prompt, then `_suffix_kernel` once per segment, merged by log-sum-exp (see `triton_kernels`);
-- multi-token forwards (prompt prefill, recompute, speculative verification with drafts) and sliding-window layers:
-  the torch reference `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is
-  where the memory-bound time goes).
+- decode forwards (every segment has one query token): `_prefix_kernel` once per group of segments sharing a
+  prompt, then `_suffix_kernel` once per segment, merged by log-sum-exp (see `triton_kernels`). The kernels
+  implement every `LayerAttention` feature: sliding windows and chunked attention (per-query lowest visible
+  position), logit soft-capping, attention sinks, MQA / GQA, and keys wider than values (MLA);
+- multi-token forwards (prompt prefill, recompute, speculative verification with drafts): the torch reference
+  `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is where the
+  memory-bound time goes).
 
 The launch grids depend on shapes only (rows, KV heads, the device's SM count), never on device data, so a decode
 step is capturable in a CUDA graph: split-K programs past a row's context simply write an empty partial.
@@ -24,11 +26,11 @@ import torch
 import triton
 
 from . import register_attention_backend
+from .layer import LayerAttention
 from .metadata import PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention
 from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
 
-LOG2E = 1.4426950408889634
 BLOCK_M_PREFIX = 64  # query rows (samples x GQA heads) per prefix tile
 BLOCK_N = 32  # KV positions per tile
 MAX_PREFIX_SPLITS = 4  # programs sharing the row tiles of one large group
@@ -60,13 +62,10 @@ def cascade_plan(meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tens
 
 
 def prepare_cascade(meta: PagedAttentionMetadata, mask_keys: tuple) -> PagedAttentionMetadata:
-    """Once per forward: the cascade plan of a decode forward; the torch backend's context plan where layers fall
-    back to it (multi-token forwards, sliding-window layers)."""
+    """Once per forward: the cascade plan of a decode forward, the torch reference's context plan otherwise."""
     if meta.is_decode:
-        meta = replace(meta, cascade=cascade_plan(meta))
-    if not meta.is_decode or any(k is not None for k in mask_keys):
-        meta = with_context(meta, mask_keys)
-    return meta
+        return replace(meta, cascade=cascade_plan(meta))
+    return with_context(meta, mask_keys)
 
 
 def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -75,8 +74,8 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
             "attention_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton); "
             "use attention_backend='torch' or 'auto' on this device."
         )
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or query.stride(-1) != 1:
-        raise RuntimeError("triton paged attention needs K/V caches of equal strides and unit-stride head dims.")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or query.stride(-1) != 1:
+        raise RuntimeError("triton paged attention needs unit-stride head dims for the query and the K/V caches.")
 
 
 @functools.cache
@@ -104,63 +103,71 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def triton_paged_attention(
-    query: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,
+    query: torch.Tensor,  # [T, H, Dk]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, Dk]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, Dv]
     meta: PagedAttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:  # [T, H, D]
+    layer: LayerAttention,
+) -> torch.Tensor:  # [T, H, Dv]
     """Backend entry point (same contract as `torch_paged_attention`)."""
-    if sliding_window or not meta.is_decode:
-        return torch_paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-    return cascade_decode_attention(query, k_cache, v_cache, meta, scale)
+    if not meta.is_decode:
+        return torch_paged_attention(query, k_cache, v_cache, meta, layer)
+    return cascade_decode_attention(query, k_cache, v_cache, meta, layer)
 
 
 def cascade_decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
+    layer: LayerAttention,
 ) -> torch.Tensor:
     """Decode attention (one query token per segment) with the prompt part shared across each group."""
     _check(query, k_cache, v_cache)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
+    num_tokens, num_heads, head_dim_k = query.shape
+    num_kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads.")
     gqa = num_heads // num_kv_heads
     num_seg = meta.prompt_lens.shape[0]
     query = query.to(k_cache.dtype)
     order, run_len = meta.cascade
-    o_pre = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device)
-    lse_pre = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GQA=gqa, PAGE=meta.block_size, BLOCK_N=BLOCK_N,
-                  PRECISION=_precision(query.dtype), UPCAST=_interpreting() and query.dtype == torch.bfloat16)
-    scale_log2 = scale * LOG2E
+    f32 = dict(dtype=torch.float32, device=query.device)
+    o_pre = torch.empty(num_tokens, num_heads, head_dim_v, **f32)
+    lse_pre = torch.empty(num_tokens, num_heads, **f32)
+    out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=query.dtype, device=query.device)
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    dims = dict(HEAD_DIM_K=head_dim_k, BLOCK_DK=max(16, triton.next_power_of_2(head_dim_k)), HEAD_DIM_V=head_dim_v,
+                BLOCK_DV=block_dv)
+    common = dict(**dims, GQA=gqa, PAGE=meta.block_size, BLOCK_N=BLOCK_N, PRECISION=_precision(query.dtype),
+                  UPCAST=_interpreting() and query.dtype == torch.bfloat16, SOFTCAP=layer.softcap is not None,
+                  HAS_WINDOW=bool(layer.sliding_window), HAS_CHUNK=bool(layer.chunk_size))
+    features = (float(layer.scale), float(layer.softcap or 0.0), int(layer.sliding_window or 0),
+                int(layer.chunk_size or 0))
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    sinks = layer.sinks.float().contiguous() if layer.sinks is not None else lse_pre  # placeholder when absent
     row_splits = min(MAX_PREFIX_SPLITS, math.ceil(num_seg * gqa / BLOCK_M_PREFIX))
     _prefix_kernel[(num_seg, num_kv_heads, row_splits)](
-        query, k_cache, v_cache, o_pre, lse_pre,
+        query, k_cache, v_cache, o_pre, lse_pre, sinks,
         order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+        query.stride(0), query.stride(1), *kv_strides,
         o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), meta.prefix_table.stride(0),
-        scale_log2, BLOCK_M=BLOCK_M_PREFIX, **common,
+        *features, BLOCK_M=BLOCK_M_PREFIX, HAS_SINKS=layer.sinks is not None, **common,
     )
     splits = suffix_splits(num_seg, num_kv_heads, device_sms(query.device))
     part_o, part_lse = o_pre, lse_pre  # unused when splits == 1
     if splits > 1:
-        part_o = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+        part_o = torch.empty(num_tokens, num_heads, splits, head_dim_v, **f32)
+        part_lse = torch.empty(num_tokens, num_heads, splits, **f32)
     _suffix_kernel[(num_seg, num_kv_heads, splits)](
         query, k_cache, v_cache, o_pre, lse_pre, out, part_o, part_lse,
         meta.q_start, meta.q_pos, meta.prompt_lens, meta.suffix_table,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+        query.stride(0), query.stride(1), *kv_strides,
         o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), out.stride(0), out.stride(1),
         max(meta.suffix_table.stride(0), 1),
-        scale_log2, BLOCK_M=max(16, triton.next_power_of_2(gqa)), SPLITS=splits, **common,
+        *features, BLOCK_M=max(16, triton.next_power_of_2(gqa)), SPLITS=splits, **common,
     )
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits
+            part_o, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+            SPLITS=splits,
         )
     return out
 

@@ -1,0 +1,125 @@
+"""Input validation at `generate` and in the configs (each bad input a `ValueError` naming the argument), and the
+model's mode: the engine samples from the eval-mode model and gives the caller's mode back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _models import reference_greedy, tiny_model
+
+from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
+
+VOCAB = 96  # tests/_models.py
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return RolloutEngine(tiny_model("qwen3"), EngineConfig(kv_cache_tokens=256, block_size=4))
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[5, VOCAB]], rf"prompt_ids\[0\].*{VOCAB}.*vocabulary"),  # id == vocab (an embedding IndexError before)
+        ([[5, 6], [7, -1]], r"prompt_ids\[1\].*-1.*vocabulary"),
+        ([[1.5, 2.7]], r"prompt_ids\[0\]\[0\].*float"),  # silently truncated to [1, 2] before
+        ([[1, 2.0]], r"prompt_ids\[0\]\[1\].*float"),
+        ([[True, False]], r"prompt_ids\[0\]\[0\].*bool"),
+        ("hello world", "prompt_ids.*string"),
+        (["hello world"], r"prompt_ids\[0\].*str"),
+        ([[[1, 2]]], r"prompt_ids\[0\]\[0\].*list"),
+        (torch.tensor([[1.0, 2.0]]), "prompt_ids.*dtype"),
+        (np.array([[1.0, 2.0]]), "prompt_ids.*dtype"),
+        (torch.tensor([[True]]), "prompt_ids.*dtype"),
+        (5, "prompt_ids.*int"),
+    ],
+)
+def test_bad_prompts_name_the_argument(engine, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, 2, GREEDY)
+
+
+def test_tensor_and_numpy_prompts_are_converted(engine):
+    want = engine.generate([[5, 6, 7], [8, 9, 10]], 2, GREEDY).completion_ids
+    assert engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), 2, GREEDY).completion_ids == want
+    assert engine.generate(np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int32), 2, GREEDY).completion_ids == want
+    assert engine.generate([torch.tensor([5, 6, 7]), np.array([8, 9, 10])], 2, GREEDY).completion_ids == want
+    assert engine.generate([(5, 6, 7), [np.int64(8), 9, 10]], 2, GREEDY).completion_ids == want
+
+
+@pytest.mark.parametrize(
+    "eos, match",
+    [("<eos>", "eos_token_ids.*str"), ([-1], "eos_token_ids.*>= 0"), ([2.5], "eos_token_ids.*float"),
+     ([True], "eos_token_ids.*bool"), (["<eos>"], "eos_token_ids.*str"), (1.0, "eos_token_ids.*float")],
+)
+def test_bad_eos_ids_name_the_argument(eos, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(eos_token_ids=eos)
+
+
+def test_eos_outside_the_vocabulary(engine):
+    with pytest.raises(ValueError, match=rf"eos_token_ids.*{VOCAB}.*vocabulary"):
+        engine.generate([[5, 6]], 1, SamplingParams(max_new_tokens=4, eos_token_ids=[VOCAB]))
+
+
+def test_eos_int_and_tensor_are_accepted():
+    assert SamplingParams(eos_token_ids=7).eos_token_ids == [7]
+    assert SamplingParams(eos_token_ids=torch.tensor([7, 8])).eos_token_ids == [7, 8]
+    assert SamplingParams(eos_token_ids=None, max_new_tokens=3).eos_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["block_size", "max_active_sequences", "kv_cache_tokens", "default_cpu_kv_tokens", "max_prefill_tokens",
+     "prefix_predictor_k", "chunk_tokens", "num_speculative_tokens"],
+)
+@pytest.mark.parametrize("value", [2.5, 16.0, True])
+def test_engine_config_integer_fields_reject_floats_and_bools(field, value):
+    with pytest.raises(ValueError, match=f"`{field}` must be an integer"):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=4.0), dict(max_new_tokens=True), dict(top_k=2.0),
+                                    dict(seed=True), dict(top_p="0.9"), dict(min_p=None)])
+def test_sampling_params_integer_and_number_fields(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_num_generations_rejects_bool(engine):
+    with pytest.raises(ValueError, match="num_generations"):
+        engine.generate([[5, 6]], True, GREEDY)
+
+
+def test_train_mode_dropout_is_off_and_the_mode_restored(monkeypatch):
+    """GPT-2 with dropout 0.3 left in train mode: greedy equals `generate` of the eval-mode model, twice, and every
+    module's mode is given back (one submodule deliberately kept in eval by the caller stays so)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.3,
+                     embd_pdrop=0.3, attn_pdrop=0.3)
+    model = GPT2LMHeadModel(cfg).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    refs = [reference_greedy(model, p, 10, []) for p in prompts]
+    model.train()
+    model.transformer.h[1].eval()  # a caller's own mixed state
+    modes = {name: m.training for name, m in model.named_modules()}
+    engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.0)
+    for _ in range(2):
+        assert engine.generate(prompts, 2, sampling).completion_ids == [r for r in refs for _ in range(2)]
+        assert {name: m.training for name, m in model.named_modules()} == modes
+    with pytest.raises(ValueError):
+        engine.generate([[5, VOCAB + 3]], 1, sampling)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.runner, "forward", fail)  # an error inside the call: mode restored on the way out
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate(prompts, 1, sampling)
+    assert {name: m.training for name, m in model.named_modules()} == modes

@@ -1,0 +1,243 @@
+"""The support contract: a model the engine cannot run exactly is refused up front, naming what is missing.
+
+`check_support(model, attention_backend)` runs once when a `RolloutEngine` is built, with the model in eval mode:
+
+1. structure: every entry of the config's `layer_types` is an attention type the engine implements (or a stateless
+   MLP / MoE layer), and no module is a recurrent, convolutional or linear-attention mixer (their state between
+   forwards is not kept by a KV cache);
+2. routing (`probe.py`): one short forward with a recording attention function shows that every attention module
+   routes through transformers' `AttentionInterface`, exactly once per forward, with a unique `layer_idx` and the
+   `paged_ctx` kwarg reaching it; that every decoder layer has such a module; that every kwarg the model passes is
+   one the engine implements (scale, sliding window, soft-cap, sinks); that the mask the model builds for each layer
+   is the causal / sliding-window / chunked pattern the engine reproduces. The K / V shapes seen give the pool's
+   per-layer widths (`KVLayout`: MQA, GQA, MLA's K wider than V);
+3. exactness (`exactness.py`): a prompt prefilled into a small pool and three tokens decoded one at a time through
+   the selected attention backend give the logits of the model's own forward.
+
+Any failure raises `ValueError` naming the model type, the unsupported feature and what to use instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .attention import LayerSpec, allowed
+from .eval_mode import eval_mode
+from .exactness import exactness_problem
+from .inputs import model_vocab_size
+from .kv_pool import KVLayout
+from .probe import AttentionCall, ProbeRecord, probe_tokens, record_attention_calls
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+STATELESS_LAYER_TYPES = ("mlp", "moe")
+# kwargs of the attention call the engine implements, and those that carry no attention semantics
+HANDLED_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "s_aux")
+NEUTRAL_KWARGS = ("position_ids", "use_cache", "output_attentions", "output_router_logits", "output_hidden_states",
+                  "return_dict", "cache_position", "logits_to_keep", "is_causal")
+KWARG_FEATURES = {
+    "position_bias": "an additive position bias (relative positions or ALiBi)",
+    "indices": "sparse indexed attention (top-k key selection)",
+    "sinks": "attention sinks passed as `sinks`",
+    "head_mask": "a head mask",
+}
+# class names of recurrent / convolutional / linear-attention mixers (state carried between tokens outside any KV)
+STATEFUL_MODULE = re.compile(r"Mamba|Mixer|SSM|Rwkv(SelfAttention|FeedForward)|DeltaNet|LinearAttention"
+                             r"|LightningAttention|ShortConv|Recurrent|Rglru|RgLru|LSTM|Lstm")
+PROBE_TOKENS = 24  # shortest probe sequence
+MAX_PROBE_TOKENS = 512  # the probe grows to show a window / chunk of the config up to this length
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """What the contract found: the pool layout and one `LayerSpec` per attention `layer_idx`."""
+
+    kv: KVLayout
+    layers: dict[int, LayerSpec]
+
+
+def model_name(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return f"`{getattr(config, 'model_type', '?')}` ({type(model).__name__})"
+
+
+def refusal(model: torch.nn.Module, feature: str) -> ValueError:
+    return ValueError(
+        f"The rollout engine cannot run {model_name(model)} exactly: {feature}. Generate with vLLM instead "
+        f"(`use_vllm=True` in the trainer) or with `model.generate`."
+    )
+
+
+def text_config(model: torch.nn.Module):
+    try:
+        return model.config.get_text_config()
+    except (AttributeError, ValueError):
+        return model.config
+
+
+def check_support(model: torch.nn.Module, attention_backend: str = "torch") -> ModelSupport:
+    """Run the three checks of the module docstring; return the layout or raise `ValueError`."""
+    with eval_mode(model):
+        check_structure(model)
+        param = next(model.parameters())
+        ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
+        support = verdict(model, record_attention_calls(model, ids))
+        problem = exactness_problem(model, support, attention_backend, ids)
+        if problem is not None:
+            raise refusal(model, problem)
+    return support
+
+
+def probe_length(model: torch.nn.Module) -> int:
+    """Probe tokens: enough to see past the config's sliding window and attention chunk (2 more than the larger),
+    between PROBE_TOKENS and MAX_PROBE_TOKENS. Longer windows are taken from the config and kwargs unverified."""
+    cfg = text_config(model)
+    sizes = [getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size")]
+    sizes = [n + 2 for n in sizes if isinstance(n, int) and not isinstance(n, bool) and 0 < n < MAX_PROBE_TOKENS - 1]
+    return max([PROBE_TOKENS, *sizes])
+
+
+# ---------------------------------------------------------------------------------------------------- 1. structure
+def check_structure(model: torch.nn.Module) -> None:
+    cfg = text_config(model)
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)):
+        odd = {t: [i for i, u in enumerate(layer_types) if u == t] for t in layer_types
+               if t not in ATTENTION_LAYER_TYPES + STATELESS_LAYER_TYPES}
+        if odd:
+            kinds = ", ".join(f"{t!r} (layers {idx[:4]}{'...' if len(idx) > 4 else ''})" for t, idx in odd.items())
+            raise refusal(model, f"its config has layer types {kinds}; the engine caches the keys and values of "
+                          f"{list(ATTENTION_LAYER_TYPES)} layers only, not the state of recurrent, convolutional, "
+                          "linear or sparse attention layers")
+    mixers = sorted({type(m).__name__ for m in model.modules() if STATEFUL_MODULE.search(type(m).__name__)})
+    if mixers:
+        raise refusal(model, f"it has stateful non-attention mixers ({', '.join(mixers[:4])}) whose state between "
+                      "forwards the engine does not keep")
+
+
+# ---------------------------------------------------------------------------------------------------- 2. routing
+def verdict(model: torch.nn.Module, record: ProbeRecord) -> ModelSupport:
+    """The layout of a model whose probe forward routed cleanly; `ValueError` naming the first problem otherwise."""
+    if record.error is not None:
+        err = record.error
+        raise refusal(model, f"running it through the engine's attention interface failed "
+                      f"({type(err).__name__}: {str(err)[:200]})") from err
+    if not record.calls:
+        raise refusal(model, "it computes attention inside its own modules instead of calling transformers' "
+                      "`AttentionInterface`, so the paged KV cache never reaches it")
+    calls = record.calls
+    _check_calls(model, calls)
+    _check_kwargs(model, calls)
+    _check_coverage(model, calls)
+    ordered = sorted(calls, key=lambda c: c.layer_idx)
+    specs = {c.layer_idx: _layer_spec(model, c, i, record.num_tokens) for i, c in enumerate(ordered)}
+    kv = KVLayout(tuple(c.key_shape[1] for c in ordered), tuple(c.key_shape[3] for c in ordered),
+                  tuple(c.value_shape[3] for c in ordered))
+    return ModelSupport(kv=kv, layers=specs)
+
+
+def _check_calls(model, calls: list[AttentionCall]) -> None:
+    lost = sorted({type(c.module).__name__ for c in calls if not c.got_context})
+    if lost:
+        raise refusal(model, f"its layers do not pass the attention kwargs on to the attention function ({lost[0]} "
+                      "receives no `paged_ctx`), so the paged KV cache never reaches it")
+    per_module = Counter(id(c.module) for c in calls)
+    twice = [c for c in calls if per_module[id(c.module)] > 1]
+    if twice:
+        raise refusal(model, f"{type(twice[0].module).__name__} calls the attention function "
+                      f"{per_module[id(twice[0].module)]} times per forward (e.g. differential attention); the engine "
+                      "caches one key/value per layer and call")
+    idx = [c.layer_idx for c in calls]
+    if None in idx or len(set(idx)) != len(idx):
+        raise refusal(model, "its attention modules do not carry a unique integer `layer_idx`")
+    for c in calls:
+        kv_heads, v_heads = c.key_shape[1], c.value_shape[1]
+        if kv_heads != v_heads or c.query_heads % kv_heads:
+            raise refusal(model, f"layer {c.layer_idx} has {c.query_heads} query heads for {kv_heads} key and "
+                          f"{v_heads} value heads (query heads must be a multiple of the shared K/V heads)")
+
+
+def _check_kwargs(model, calls: list[AttentionCall]) -> None:
+    for c in calls:
+        unknown = [k for k in c.kwargs if k not in HANDLED_KWARGS + NEUTRAL_KWARGS]
+        if unknown:
+            what = "; ".join(f"`{k}`: {KWARG_FEATURES.get(k, 'an attention argument it does not implement')}"
+                             for k in unknown)
+            raise refusal(model, f"layer {c.layer_idx} passes attention features the engine does not implement ({what})")
+        if c.kwargs.get("is_causal", True) is False:
+            raise refusal(model, f"layer {c.layer_idx} uses non-causal (bidirectional) attention")
+        if c.kwargs.get("dropout", 0.0):
+            raise refusal(model, f"layer {c.layer_idx} applies attention dropout in eval mode")
+
+
+def _decoder_layers(model, num_layers: int, called: set[int]):
+    """The ModuleList of `num_layers` decoder layers: of the lists of that length, the one holding most of the
+    modules that called attention (None if no list holds any)."""
+    best, best_hits = None, 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers:
+            hits = sum(1 for sub in m.modules() if id(sub) in called)
+            if hits > best_hits:
+                best, best_hits = m, hits
+    return best
+
+
+def _check_coverage(model, calls: list[AttentionCall]) -> None:
+    """Every decoder layer holds a module that called attention (or is a stateless MLP / MoE layer by config)."""
+    cfg = text_config(model)
+    num_layers = getattr(cfg, "num_hidden_layers", None)
+    called = {id(c.module) for c in calls}
+    layers = _decoder_layers(model, num_layers, called) if isinstance(num_layers, int) else None
+    if layers is None:
+        return
+    layer_types = getattr(cfg, "layer_types", None)
+    layer_types = list(layer_types) if isinstance(layer_types, (list, tuple)) else []
+    layer_types += [None] * (num_layers - len(layer_types))
+    bare = [i for i, layer in enumerate(layers)
+            if not any(id(m) in called for m in layer.modules()) and layer_types[i] not in STATELESS_LAYER_TYPES]
+    if bare:
+        held = sorted({type(m).__name__ for m in layers[bare[0]].children() if any(True for _ in m.parameters())})
+        raise refusal(model, f"decoder layers {bare[:6]} run no attention through `AttentionInterface` (layer "
+                      f"{bare[0]} holds {', '.join(held)}): a mixer whose state the engine does not cache")
+
+
+def _window_candidates(cfg, call: AttentionCall, kind: str | None, has_types: bool) -> list[int | None]:
+    """Possible sliding windows of a layer, most likely first: the kwarg the model passes; else the config's window
+    where `layer_types` says sliding; else (no `layer_types`) the config's window, which some models put in the mask
+    only (PhiMoE), or none. The mask check below keeps the first candidate the probe's mask agrees with."""
+    window = call.kwargs.get("sliding_window")
+    if window is not None:
+        return [window]
+    config_window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False or not config_window:
+        return [None]
+    if has_types:
+        return [config_window if kind == "sliding_attention" else None]
+    return [config_window, None]
+
+
+def _layer_spec(model, call: AttentionCall, pool_index: int, num_tokens: int) -> LayerSpec:
+    """The layer's mask pattern, checked against the mask the model built on the probe sequence."""
+    cfg = text_config(model)
+    layer_types = getattr(cfg, "layer_types", None)
+    has_types = isinstance(layer_types, (list, tuple))
+    kind = layer_types[call.layer_idx] if has_types and call.layer_idx < len(layer_types) else None
+    chunk = getattr(cfg, "attention_chunk_size", None) if kind == "chunked_attention" else None
+    if call.mask_per_head:
+        raise refusal(model, f"the attention mask of layer {call.layer_idx} carries an additive bias or differs "
+                      "between heads")
+    pos = torch.arange(num_tokens)
+    got = call.mask.cpu() if call.mask is not None else pos[None, :] <= pos[:, None]
+    candidates = [LayerSpec(pool_index, w or None, chunk or None) for w in _window_candidates(cfg, call, kind, has_types)]
+    for spec in candidates:
+        if got.shape == (num_tokens, num_tokens) and torch.equal(got, allowed(pos[:, None], pos[None, :],
+                                                                              spec.sliding_window, spec.chunk_size)):
+            return spec
+    spec = candidates[0]
+    pattern = "causal" + (f", sliding window {spec.sliding_window}" if spec.sliding_window else "") + \
+        (f", chunks of {spec.chunk_size}" if spec.chunk_size else "")
+    raise refusal(model, f"the attention mask of layer {call.layer_idx} is not the {pattern} pattern the engine "
+                  "implements")

@@ -1,0 +1,254 @@
+"""Model matrix: every causal-LM model type of `transformers`, through the engine against `model.generate`.
+
+    python -m trl_infinite.utils.model_matrix --out docs/models.md [--types llama gemma2 ...]
+
+For each model type it builds a tiny random-weight float32 model (`tiny_configs`), then either records the
+`ValueError` with which `RolloutEngine` refuses it, or runs greedy decoding in `fixed_slot` and `full_group` mode
+with block sizes 16 and 5 (G = 3, prompts of 3, 8, 9 and 17 tokens, 12 new tokens, an EOS id that greedy decoding
+emits early on some prompts) and compares every completion with `model.generate(do_sample=False)` cut at that EOS.
+
+Verdicts: `token-identical`; `refused` (the engine's `ValueError`); `identical to forward` (the engine's tokens
+differ from `model.generate` but equal greedy decoding with the model's own full forward, no KV cache: transformers'
+cached generation disagrees with its own forward for that configuration); `MISMATCH` (a silent difference: the
+engine accepted the model and returned tokens neither reference gives); `engine error` (accepted, then failed);
+`not built` (no tiny model could be built from the config, or its own forward / `generate` fails; reason shown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .tiny_configs import VOCAB, build_tiny_model
+
+PROMPT_LENS = (3, 8, 9, 17)
+MAX_NEW = 12
+G = 3
+MODES = ("fixed_slot", "full_group")
+BLOCK_SIZES = (16, 5)
+VERDICTS = ("token-identical", "refused", "identical to forward", "MISMATCH", "engine error", "not built")
+
+
+@dataclass
+class Row:
+    model_type: str
+    verdict: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def reference(model, prompt: list[int], eos: int | None) -> list[int]:
+    """`model.generate(do_sample=False)` of MAX_NEW tokens, cut after the first `eos` (kept)."""
+    # greedy with no logits processor from the model's own generation defaults (beams, n-gram bans, penalties)
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=MAX_NEW, do_sample=False, num_beams=1, repetition_penalty=1.0,
+                         no_repeat_ngram_size=0, pad_token_id=0, eos_token_id=eos)[0, len(prompt):].tolist()
+    if eos is not None and eos in out:
+        out = out[: out.index(eos) + 1]
+    return out
+
+
+def forward_greedy(model, prompt: list[int], eos: int | None) -> list[int]:
+    """Greedy decoding by full forwards of the whole sequence (no KV cache), cut after the first `eos`."""
+    ids = list(prompt)
+    for _ in range(MAX_NEW):
+        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        if ids[-1] == eos:
+            break
+    return ids[len(prompt):]
+
+
+def early_eos(model, ps: list[list[int]]) -> int | None:
+    """A token greedy decoding emits after the first step on some prompt but not on all (an early EOS)."""
+    full = [reference(model, p, None) for p in ps]
+    seen = {}
+    for row in full:
+        for t in row[1:]:
+            seen[t] = seen.get(t, 0) + 1
+    for t, _ in sorted(seen.items(), key=lambda kv: -kv[1]):
+        if any(t not in row for row in full):
+            return t
+    return max(seen, key=seen.get) if seen else None
+
+
+def check_model(model_type: str) -> Row:
+    """The verdict of one model type (see module docstring)."""
+    from ..engine import EngineConfig, RolloutEngine, SamplingParams
+
+    try:
+        model = build_tiny_model(model_type)
+    except Exception as exc:  # noqa: BLE001
+        return Row(model_type, "not built", f"{type(exc).__name__}: {_short(exc)}")
+    ps = prompts()
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ps[0]]), use_cache=False)
+    except Exception as exc:  # noqa: BLE001
+        return Row(model_type, "not built", f"its own forward fails: {type(exc).__name__}: {_short(exc)}")
+    engines = []
+    for block in BLOCK_SIZES:
+        for mode in MODES:
+            cfg = EngineConfig(sampling_mode=mode, max_active_sequences=2, kv_cache_tokens=64 * block * 4,
+                               block_size=block, max_prefill_tokens=12)
+            try:
+                engines.append((f"{mode}, block {block}", RolloutEngine(model, cfg)))
+            except ValueError as exc:
+                return Row(model_type, "refused", str(exc))
+            except Exception as exc:  # noqa: BLE001
+                return Row(model_type, "engine error", f"building the engine: {type(exc).__name__}: {_short(exc)}")
+    try:
+        eos = early_eos(model, ps)
+        refs = [reference(model, p, eos) for p in ps]
+    except Exception as exc:  # noqa: BLE001
+        return Row(model_type, "not built", f"accepted, but `model.generate` fails: {type(exc).__name__}: "
+                   f"{_short(exc)}")
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[eos] if eos is not None else [])
+    want = [r for r in refs for _ in range(G)]
+    for name, engine in engines:
+        try:
+            got = engine.generate(ps, G, sampling).completion_ids
+        except Exception as exc:  # noqa: BLE001
+            return Row(model_type, "engine error", f"{name}: {type(exc).__name__}: {_short(exc)}")
+        if got != want:
+            bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            detail = f"{name}, prompt {bad // G}: engine {got[bad]}, generate {want[bad]}"
+            with torch.no_grad():
+                by_forward = [r for p in ps for r in [forward_greedy(model, p, eos)] * G]
+            if got == by_forward:
+                return Row(model_type, "identical to forward", detail + " = greedy by full forwards")
+            return Row(model_type, "MISMATCH", detail)
+    stops = sum(1 for r in refs if len(r) < MAX_NEW)
+    return Row(model_type, "token-identical", f"{stops} of {len(refs)} prompts stop at the early EOS")
+
+
+def _short(exc: BaseException, n: int = 160) -> str:
+    return " ".join(str(exc).split())[:n]
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+INTRO = """# Supported models
+
+The rollout engine runs a Hugging Face causal LM exactly (greedy output token-identical to `model.generate`, sampled
+distributions unchanged) or refuses it when the `RolloutEngine` is built, with a `ValueError` that names the model
+type, the unsupported feature and what to use instead (`use_vllm=True` in the trainer). There is no silent path.
+
+## The contract (`trl_infinite/engine/support.py`)
+
+Checked once per engine, on the model in eval mode:
+
+1. **Structure.** Every entry of the config's `layer_types` is `full_attention`, `sliding_attention` or
+   `chunked_attention` (or a stateless `mlp` / `moe` layer), and no module is a recurrent, convolutional or
+   linear-attention mixer (Mamba, RWKV, gated delta-net, short convolutions, ...): their state between forwards is
+   not a KV cache, so hybrids and SSMs are refused.
+2. **Routing probe.** One short forward with a recording attention function: every attention module must route
+   through `transformers.AttentionInterface`, once per forward (DiffLlama's two calls per layer are refused), with a
+   unique `layer_idx` and the engine's `paged_ctx` kwarg reaching it (StableLM and Nemotron drop the kwargs; BLOOM,
+   GPT-J, CodeGen, GPT-Neo, Falcon, MPT compute attention in their own modules); every decoder layer must hold such
+   a module; every kwarg passed must be one the engine implements (scale, sliding window, soft-cap, `s_aux` sinks:
+   relative position biases and sparse indexed attention are refused); the mask the model builds for each layer
+   must be the causal / sliding-window / chunked pattern the engine reproduces. The key / value shapes seen give the
+   pool's per-layer widths (MQA, GQA, MLA's 192-wide keys and 128-wide values).
+3. **Exactness.** A prompt prefilled into a small pool and three tokens decoded one at a time through the selected
+   attention backend must give the logits of the model's own forward (relative error below 1e-3 in float32, 1e-1 in
+   16-bit formats). Models that number positions differently from the `position_ids` the engine passes (BART-style
+   decoders, RoBERTa's padding offset) fail here, with that reason.
+
+## Attention features implemented
+
+In the torch reference backend and in the Triton cascade decode kernels (`attention_backend="triton"`, the default
+on CUDA; multi-token forwards use the torch backend on every device): causal attention with GQA / MQA (any number of
+query heads per KV head), keys wider than values (MLA: DeepSeek-V2/V3, MiniCPM3), per-layer sliding windows,
+chunked attention (Llama 4's `attention_chunk_size`), logit soft-capping (Gemma 2, VaultGemma) and attention sinks
+(gpt-oss `s_aux`).
+
+## The matrix
+
+"""
+
+
+def _reason(message: str) -> str:
+    """The feature part of a refusal message (between "exactly: " and the advice)."""
+    text = message.split("exactly: ", 1)[-1].split(". Generate with vLLM")[0]
+    if "relative logit error" in text:  # the exactness check: keep its diagnosis
+        head, cause = text.split(" (relative logit error", 1)
+        return f"{head}: {cause.split('): ', 1)[-1].split(' (')[0]}"
+    for cut in (" (", ";", ":"):
+        text = text.split(cut)[0]
+    return text
+
+
+def markdown(rows: list[Row]) -> str:
+    import transformers
+
+    counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
+    lines = [
+        INTRO.rstrip("\n"),
+        "",
+        f"`python -m trl_infinite.utils.model_matrix --out docs/models.md` (transformers {transformers.__version__}, "
+        f"torch {torch.__version__}, CPU, float32) builds every causal-LM model type of transformers as a tiny "
+        "random-weight model (`trl_infinite/utils/tiny_configs.py`: 2 layers, hidden 32, sliding window 6, attention "
+        "chunk 5) and runs greedy decoding in `fixed_slot` and `full_group` mode with block sizes 16 and 5 (G = 3, "
+        "prompts of 3, 8, 9 and 17 tokens, 12 new tokens, an EOS that ends some samples early) against "
+        "`model.generate`.",
+        "",
+        f"**{len(rows)} model types: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".**",
+        "",
+        "Refusals by reason:",
+        "",
+    ]
+    reasons: dict[str, list[str]] = {}
+    for r in rows:
+        if r.verdict == "refused":
+            reasons.setdefault(_reason(r.detail), []).append(r.model_type)
+    for reason, types in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"- {reason} ({len(types)}): " + ", ".join(f"`{t}`" for t in types))
+    lines += ["", "| model type | verdict | detail |", "| --- | --- | --- |"]
+    for r in rows:
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{r.model_type}` | {r.verdict} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--types", nargs="*", help="model types (default: every causal-LM type of transformers)")
+    parser.add_argument("--out", help="write the markdown table here (else print it)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # tiny models: threads only add contention
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows = []
+    for model_type in args.types or causal_lm_types():
+        start = time.perf_counter()
+        row = check_model(model_type)
+        row.seconds = time.perf_counter() - start
+        rows.append(row)
+        print(f"{model_type:28s} {row.verdict:16s} {row.seconds:6.1f}s  {row.detail[:150]}", flush=True)
+    table = markdown(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    else:
+        print(table)
+
+
+if __name__ == "__main__":
+    main()
