@@ -175,6 +175,28 @@ def test_uniforms_are_uniform_and_pure():
     assert torch.equal(uniforms(keys, 10), uniforms(keys, 64)[:, :10])
 
 
+def test_categorical_across_cdf_blocks():
+    """The two-level inverse CDF over a 600-token vocabulary (three 256-token blocks, the last padded): mass on the
+    first and last token of blocks, a block with no mass at all, zeros everywhere else. Chi-square, alpha 1e-3."""
+    from trl_infinite.engine.sampler import CDF_BLOCK
+
+    assert CDF_BLOCK == 256
+    probs = torch.zeros(600)
+    support = torch.tensor([0, 255, 256, 300, 511, 599])
+    probs[support] = torch.tensor([0.3, 0.1, 0.2, 0.15, 0.05, 0.2])
+    probs[512:599] = 0.0
+    n = 100000
+    keys = row_keys(5, torch.zeros(n, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    draws = categorical(probs.log().expand(n, -1), keys)
+    counts = torch.bincount(draws, minlength=600)
+    assert counts.sum() == n and counts[support].sum() == n  # never a zero-probability token
+    assert chi_square_pvalue(counts[support], probs[support]) > ALPHA
+    empty_block = torch.zeros(600)
+    empty_block[[3, 590]] = 0.5  # block 1 (256..511) has no mass at all
+    draws = categorical(empty_block.log().expand(2000, -1), keys[:2000])
+    assert set(draws.tolist()) == {3, 590}
+
+
 def test_uniform64_is_uniform():
     """One 53-bit uniform per key (the categorical draw): mean and variance within 5 sigma / 1e-3, KS alpha 0.001."""
     u = uniform64(_grid_keys())

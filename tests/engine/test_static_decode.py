@@ -43,10 +43,10 @@ def _sample(group_id: int, prompt_len: int, prompt_blocks: list[int], out: list[
     return seq
 
 
-def _check_rows_match_host_metadata(rows: DecodeRows, seqs):
+def _check_rows_match_host_metadata(rows: DecodeRows, seqs, grown=(), rebuilt=()):
     """Real rows' decode metadata equals the host-built metadata of the same samples (slots, context columns)."""
     n = len(seqs)
-    row_of = rows.update(seqs)
+    row_of = rows.update(seqs, grown, rebuilt)
     assert sorted(row_of) == list(range(n))
     pcols, ocols = rows.max_prompt_blocks, rows.max_own_blocks
     meta = decode_metadata(rows.inputs[1, :n], rows.prompt_len[:n], rows.prefix_table[:n, :pcols],
@@ -63,21 +63,31 @@ def _check_rows_match_host_metadata(rows: DecodeRows, seqs):
     assert torch.equal(got.slots.view(n, -1)[valid[:, 0, 0]], want.slots.view(n, -1)[valid[:, 0, 0]])  # ... same slots
 
 
+def _step(rows: DecodeRows, seqs, tokens):
+    """What the static step does for the next one: each row's sampled token becomes its input, position + 1."""
+    for s, t in zip(seqs, tokens):
+        r = rows.row_of[s.seq_id]
+        rows.inputs[0, r], rows.inputs[1, r] = t, rows.inputs[1, r] + 1
+        s.output_ids.append(t)
+
+
 def test_decode_rows_follow_joins_finishes_and_growth():
     rows = DecodeRows(8, 4, 4, BLOCK, null_block=99, device=torch.device("cpu"), vocab=None)
     a = _sample(0, 6, [1, 2], [7, 8], [10])
     b = _sample(0, 6, [1, 2], [9], [11])
     c = _sample(1, 3, [3], [5, 5, 5, 5, 6], [12, 13])
     _check_rows_match_host_metadata(rows, [a, b, c])
-    a.output_ids.extend([1, 1, 1])  # a grows into a second own block
-    a.blocks.append(14)
-    _check_rows_match_host_metadata(rows, [a, b, c])
+    _step(rows, [a, b, c], [1, 2, 3])
+    _step(rows, [a, b, c], [1, 2, 3])
+    a.blocks.append(14)  # a grows into a second own block (the scheduler reports it in `grown`)
+    _check_rows_match_host_metadata(rows, [a, b, c], grown=[a])
     d = _sample(2, 9, [4, 5, 6], [2], [15])
     _check_rows_match_host_metadata(rows, [c, d])  # a and b finished: c and d fill rows 0 and 1
     assert rows.num_rows == 2 and rows.prompt_len[2:].tolist() == [0] * 6  # padding rows are reset ...
-    assert (rows.suffix_table[2:] == 99).all()  # ... and point at the null block
-    c.blocks = [20, 21]  # preempted and re-admitted: a new block list, the row is rewritten
-    _check_rows_match_host_metadata(rows, [d, c])
+    assert (rows.suffix_table[2:] == 99).all() and (rows.group[2:] == -1).all()  # ... to the null block
+    c.blocks = [20, 21]  # preempted and re-admitted with a recompute: a new block list, the row is rewritten
+    _check_rows_match_host_metadata(rows, [d, c], rebuilt=[c])
+    assert rows.max_own_blocks == 2 and rows.max_prompt_blocks == 3
 
 
 def test_seen_rows_mark_prompt_and_outputs():
@@ -85,9 +95,6 @@ def test_seen_rows_mark_prompt_and_outputs():
     a = _sample(0, 3, [1], [9], [2])  # prompt 3, 4, 5
     rows.update([a])
     assert rows.seen[0].nonzero()[:, 0].tolist() == [3, 4, 5, 9]
-    a.output_ids.append(12)
-    rows.update([a])
-    assert rows.seen[0].nonzero()[:, 0].tolist() == [3, 4, 5, 9, 12]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -1,18 +1,21 @@
 """Persistent device state of the decode batch, updated incrementally between steps.
 
-Row `r < n` holds one running sample; the rows stay dense (a leaving row is filled with the last one, one row copy)
-so the batch is always rows `0 .. n-1`, padded to a bucket. Per row the device holds what the decode metadata is
-computed from: prompt length, group and sample index (the sampling keys), the prompt's block table and the sample's
-own block table, and with a repetition penalty which ids the row's context holds. Rows `>= n` are padding: every
-table entry points at the pool's null block, so a padded row writes and reads only that block.
+Row `r < n` holds one running sample; the rows stay dense (a leaving row is filled with one of the last rows, one
+row copy per tensor) so the batch is always rows `0 .. n-1`, padded to a bucket. Per row the device holds what the
+decode step reads: its input token and position, prompt length, group and sample index (the sampling keys), the
+prompt's block table and the sample's own block table, and with a repetition penalty which ids its context holds.
+Rows `>= n` are padding: every table entry points at the pool's null block and the group is -1, so a padded row
+writes and reads only that block.
 
-Per step the host uploads one [2, n] tensor (each row's input token and its position) plus only what changed:
-tables of joining rows, block ids appended since the last step, tokens to mark as seen. A row is rewritten when the
-sample's block list or its prompt's block list was replaced (preemption, eviction, host offload: the scheduler
-always assigns a new list then), detected by identity.
+The static step itself advances the rows it decodes (input token := the sampled one, position + 1, the token marked
+as seen), so between two steps the host uploads only what changed: the whole state of joining rows, and the block
+ids the scheduler appended (`ScheduledBatch.grown`). A row is rewritten when the sample's KV was rebuilt (preempted
+and re-admitted with a recompute). The host work per step is a few set operations, not a loop over every row.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -37,124 +40,118 @@ class DecodeRows:
         self.seen = torch.zeros(capacity, vocab, dtype=torch.bool, device=device) if vocab else None
         self.seqs: list[Sequence] = []  # row -> sample
         self.row_of: dict[int, int] = {}  # seq_id -> row
-        self._lists: list[tuple[list[int], list[int]]] = []  # per row: (own block list, prompt block list) seen
         self._written: list[int] = []  # per row: own block ids uploaded
-        self._marked: list[int] = []  # per row: output tokens marked in `seen`
-        self.max_prompt_blocks = 0  # widest table row in use after the last `update`
-        self.max_own_blocks = 0
+        self._prompt_n: list[int] = []  # per row: prompt blocks in its table
+        self._own = Counter()  # own block counts of the rows -> how many rows have it (for the widest row)
+        self._prompt = Counter()
 
     @property
     def num_rows(self) -> int:
         return len(self.seqs)
+
+    @property
+    def max_own_blocks(self) -> int:
+        return max(self._own, default=0)
+
+    @property
+    def max_prompt_blocks(self) -> int:
+        return max(self._prompt, default=0)
 
     def fits(self, capacity: int, prefix_cols: int, own_cols: int, vocab: int | None) -> bool:
         return (capacity <= self.capacity and prefix_cols <= self.prefix_cols and own_cols <= self.own_cols
                 and (vocab is None or (self.seen is not None and self.seen.shape[1] == vocab)))
 
     def _state(self) -> list[torch.Tensor]:
-        tensors = [self.prompt_len, self.group, self.sample, self.prefix_table, self.suffix_table]
+        tensors = [self.inputs.T, self.prompt_len, self.group, self.sample, self.prefix_table, self.suffix_table]
         return tensors + ([self.seen] if self.seen is not None else [])
 
     # ------------------------------------------------------------------ one step
-    def update(self, seqs: list[Sequence]) -> list[int]:
-        """Make rows `0 .. len(seqs)-1` hold exactly `seqs`; returns each sample's row (in `seqs` order)."""
+    def update(self, seqs: list[Sequence], grown: list[Sequence] = (), rebuilt: list[Sequence] = ()) -> list[int]:
+        """Make rows `0 .. len(seqs)-1` hold exactly `seqs`; returns each sample's row (in `seqs` order).
+        `grown`: samples whose own block list the scheduler extended this step; `rebuilt`: samples whose KV was
+        recomputed into new blocks (their rows are rewritten)."""
         current = {s.seq_id for s in seqs}
-        self._drop([r for r, s in enumerate(self.seqs) if s.seq_id not in current or self._replaced(r, s)])
+        redo = {s.seq_id for s in rebuilt}
+        leaving = [r for sid, r in self.row_of.items() if sid not in current or sid in redo]
+        if leaving:
+            self._drop(leaving)
         joiners = [s for s in seqs if s.seq_id not in self.row_of]
+        cells = []
+        for s in grown:
+            r = self.row_of.get(s.seq_id)
+            if r is not None:  # a row that stays (joiners are written whole below)
+                cells.extend((r, c, s.blocks[c]) for c in range(self._written[r], len(s.blocks)))
+                self._count(self._own, self._written[r], len(s.blocks))
+                self._written[r] = len(s.blocks)
+        if cells:
+            c = torch.tensor(cells, dtype=torch.long).to(self.device)
+            self.suffix_table[c[:, 0], c[:, 1]] = c[:, 2]
         if joiners:
             self._join(joiners)
-        self._step_inputs()
         return [self.row_of[s.seq_id] for s in seqs]
 
-    def _replaced(self, row: int, seq: Sequence) -> bool:
-        own, prompt = self._lists[row]
-        return own is not seq.blocks or prompt is not seq.group.prompt_blocks
+    @staticmethod
+    def _count(counter: Counter, old: int | None, new: int | None) -> None:
+        if old is not None:
+            counter[old] -= 1
+            if not counter[old]:
+                del counter[old]
+        if new is not None:
+            counter[new] += 1
 
     def _drop(self, leaving: list[int]) -> None:
         """Remove rows; the last rows that stay move into the holes below the new count (one copy per tensor)."""
-        if not leaving:
-            return
         n = len(self.seqs)
         m = n - len(leaving)
         gone = set(leaving)
-        holes = [r for r in leaving if r < m]
+        holes = sorted(r for r in leaving if r < m)
         movers = [r for r in range(m, n) if r not in gone]
         for r in leaving:
-            del self.row_of[self.seqs[r].seq_id]
+            seq = self.seqs[r]
+            del self.row_of[seq.seq_id]
+            self._count(self._own, self._written[r], None)
+            self._count(self._prompt, self._prompt_n[r], None)
         if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
             for t in self._state():
                 t[dst] = t[src]
             for h, mv in zip(holes, movers):
-                self.seqs[h], self._lists[h] = self.seqs[mv], self._lists[mv]
-                self._written[h], self._marked[h] = self._written[mv], self._marked[mv]
+                self.seqs[h], self._written[h], self._prompt_n[h] = self.seqs[mv], self._written[mv], self._prompt_n[mv]
                 self.row_of[self.seqs[h].seq_id] = h
-        del self.seqs[m:], self._lists[m:], self._written[m:], self._marked[m:]
-        self._reset(m, n)
-
-    def _reset(self, start: int, end: int) -> None:
-        self.inputs[:, start:end] = 0
-        self.prompt_len[start:end] = 0
-        self.group[start:end] = -1
-        self.sample[start:end] = 0
-        self.prefix_table[start:end] = self.null_block
-        self.suffix_table[start:end] = self.null_block
+        del self.seqs[m:], self._written[m:], self._prompt_n[m:]
+        self.inputs[:, m:n] = 0
+        self.prompt_len[m:n] = 0
+        self.group[m:n] = -1
+        self.sample[m:n] = 0
+        self.prefix_table[m:n] = self.null_block
+        self.suffix_table[m:n] = self.null_block
 
     def _join(self, joiners: list[Sequence]) -> None:
+        """Write every piece of state of new rows (one upload per tensor)."""
         start = len(self.seqs)
         rows = torch.arange(start, start + len(joiners), device=self.device)
-        ids = torch.tensor([[s.prompt_len, s.group_id, s.sample_idx] for s in joiners], dtype=torch.long)
-        ids = ids.to(self.device)
-        self.prompt_len[rows], self.group[rows], self.sample[rows] = ids[:, 0], ids[:, 1], ids[:, 2]
+        ids = torch.tensor([[s.output_ids[-1], s.num_tokens - 1, s.prompt_len, s.group_id, s.sample_idx]
+                            for s in joiners], dtype=torch.long).to(self.device)
+        self.inputs[:, rows] = ids[:, :2].T
+        self.prompt_len[rows], self.group[rows], self.sample[rows] = ids[:, 2], ids[:, 3], ids[:, 4]
         self.prefix_table[rows] = self._table([s.group.prompt_blocks for s in joiners], self.prefix_cols)
         self.suffix_table[rows] = self._table([s.blocks for s in joiners], self.own_cols)
         for i, s in enumerate(joiners):
             self.row_of[s.seq_id] = start + i
             self.seqs.append(s)
-            self._lists.append((s.blocks, s.group.prompt_blocks))
             self._written.append(len(s.blocks))
-            self._marked.append(0)
-        if self.seen is not None:
+            self._prompt_n.append(len(s.group.prompt_blocks))
+            self._count(self._own, None, len(s.blocks))
+            self._count(self._prompt, None, len(s.group.prompt_blocks))
+        if self.seen is not None:  # the prompt and every output token (later ones are marked by the step itself)
             self.seen[rows] = False
-            self._mark([(start + i, t) for i, s in enumerate(joiners) for t in s.group.prompt_ids])
+            cells = [(start + i, t) for i, s in enumerate(joiners) for t in (*s.group.prompt_ids, *s.output_ids)]
+            c = torch.tensor(cells, dtype=torch.long).to(self.device)
+            self.seen[c[:, 0], c[:, 1]] = True
 
     def _table(self, lists: list[list[int]], cols: int) -> torch.Tensor:
         out = torch.full((len(lists), cols), self.null_block, dtype=torch.long)
         for i, blocks in enumerate(lists):
             out[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         return out.to(self.device)
-
-    def _step_inputs(self) -> None:
-        """One pass over the rows: each row's input token and position, own block ids appended since the last step,
-        newly emitted tokens to mark as seen, the widest rows."""
-        n = len(self.seqs)
-        inputs = [0] * (2 * n)
-        cells, marks = [], []
-        max_prompt = max_own = 0
-        for r, s in enumerate(self.seqs):
-            out = s.output_ids
-            inputs[r] = out[-1]
-            inputs[n + r] = s.group.prompt_len + len(out) - 1
-            blocks = s.blocks
-            have = len(blocks)
-            if have > self._written[r]:
-                cells.extend((r, c, blocks[c]) for c in range(self._written[r], have))
-            self._written[r] = have  # fewer after a lookahead rollback: the extra entries are never read
-            if self.seen is not None and self._marked[r] < len(out):
-                marks.extend((r, t) for t in out[self._marked[r]:])
-                self._marked[r] = len(out)
-            max_own = max(max_own, have)
-            max_prompt = max(max_prompt, len(s.group.prompt_blocks))
-        self.max_prompt_blocks, self.max_own_blocks = max_prompt, max_own
-        if n:
-            self.inputs[:, :n].copy_(torch.tensor(inputs, dtype=torch.long).view(2, n), non_blocking=True)
-        if cells:
-            c = torch.tensor(cells, dtype=torch.long).to(self.device)
-            self.suffix_table[c[:, 0], c[:, 1]] = c[:, 2]
-        if marks:
-            self._mark(marks)
-
-    def _mark(self, cells: list[tuple[int, int]]) -> None:
-        c = torch.tensor(cells, dtype=torch.long).to(self.device)
-        self.seen[c[:, 0], c[:, 1]] = True

@@ -94,7 +94,7 @@ class ModelExecutor:
         if self.spec is not None:
             out.tokens, out.logprobs = self.spec.run(batch)
             return out
-        tokens, logprobs, hidden, rows = self.decoder.decode(batch.decode, self.ctx.stats)
+        tokens, logprobs, hidden, rows = self.decoder.decode(batch, self.ctx.stats)
         if self.prefix is not None:
             for i in self.prefix.wanted(batch.decode):
                 self.prefix.deliver(batch.decode[i], hidden[rows[i]])

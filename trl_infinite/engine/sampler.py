@@ -2,9 +2,10 @@
 
 Processing order is the one `GenerationMixin` uses: repetition penalty, then temperature, top-k, top-p, min-p (the
 warpers are transformers' own classes). A draw is an inverse-CDF lookup: with the row's cumulative probabilities
-`c_v = sum_{w <= v} p_w` (float64) and one uniform `U`, the token is the first `v` with `c_v > U * c_V`, an exact
-draw from `p` (zero-probability tokens are never hit: their `c_v` does not rise), in a few passes over the row and
-no host sync.
+`c_v = sum_{w <= v} p_w` and one uniform `U`, the token is the first `v` with `c_v > U * c_V`, an exact draw from
+`p` (zero-probability tokens are never hit: their `c_v` does not rise). It runs in two levels so that the whole
+row is read only twice (exp, then float64 block sums): the block is found on the cumulative block sums, the token
+on the cumulative sums inside that block; no host sync, static shapes.
 
 Every uniform is a pure function of (seed, prompt index, sample index, position, stream), a counter-based
 generator: the same seed gives the same sample whatever the batch composition, the sampling mode or the scheduler,
@@ -83,13 +84,34 @@ def uniform64(keys: torch.Tensor) -> torch.Tensor:
     return _shr(mix64(keys), 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
+CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
 def categorical(logprobs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Exact sample from softmax(logprobs) per row ([N, V] -> [N]) by inverse CDF with one uniform per row.
-    Cumulative sums in float64 (a float32 sum over a 150k vocabulary would misplace rare tokens)."""
-    cdf = logprobs.double().exp().cumsum(-1)  # [N, V]
-    total = cdf[:, -1:]
+
+    Two levels of `CDF_BLOCK` tokens, so the whole row is read only twice (exp, block sums): the target
+    `t = U * sum_j b_j` (block sums `b_j`, cumulated in float64) falls in the first block whose cumulative sum
+    exceeds it; inside that block, the token is the first whose float64 running sum exceeds what is left of `t`
+    (no running sum over the whole vocabulary: in float32 it would misplace rare tokens). Rounding between the two
+    levels (a block sum in float32 is exact to ~1e-7 of the block's mass) can only move such a sliver of mass onto
+    the block's last token of nonzero probability: a zero-probability token is never drawn."""
+    n, vocab = logprobs.shape
+    probs = logprobs.float().exp()  # [N, V]
+    full = vocab // CDF_BLOCK * CDF_BLOCK
+    sums = [probs[:, :full].view(n, -1, CDF_BLOCK).sum(-1)] if full else []
+    if full < vocab:
+        sums.append(probs[:, full:].sum(-1, keepdim=True))
+    block_cdf = torch.cat(sums, -1).double().cumsum(-1)  # [N, J]
+    total = block_cdf[:, -1:]
     target = torch.minimum(uniform64(keys)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_max(block_cdf.shape[1] - 1)  # [N, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), torch.zeros_like(target))
+    cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [N, B] token ids of the block
+    inner = torch.where(cols < vocab, probs.gather(1, cols.clamp_max(vocab - 1)), 0.0)
+    idx = torch.searchsorted(inner.double().cumsum(-1), target - before, right=True)  # [N, 1]
+    last = CDF_BLOCK - 1 - torch.argmax((inner.flip(-1) > 0).int(), -1, keepdim=True)  # last nonzero in the block
+    return (block * CDF_BLOCK + torch.minimum(idx, last))[:, 0]
 
 
 def seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:

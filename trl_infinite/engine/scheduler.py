@@ -27,10 +27,16 @@ class ScheduledBatch:
     prefill_groups: list[Group] = field(default_factory=list)  # prompts to prefill (blocks already allocated)
     recompute: list[Sequence] = field(default_factory=list)  # re-run prompt + output_ids[:-1] into the cache
     decode: list[Sequence] = field(default_factory=list)
+    grown: list[Sequence] = field(default_factory=list)  # running samples whose own block list grew in this step
     lookahead: int = 0  # extra KV slots reserved per sample (speculative drafts)
     # divided rollout's host tier: copy these blocks' KV out to host (before anything runs), then back in
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+
+    @property
+    def rebuilt(self) -> list[Sequence]:
+        """Samples whose KV this step puts into new blocks (recompute, copy back from the host tier)."""
+        return [*self.recompute, *(seq for seq, _ in self.swap_in)]
 
 
 @dataclass
@@ -117,7 +123,7 @@ class Scheduler:
     def schedule(self, lookahead: int = 0) -> ScheduledBatch:
         """Grow running samples' blocks, then admit; never allocates past the pool."""
         batch = ScheduledBatch(lookahead=lookahead)
-        self._grow_running(lookahead)
+        batch.grown = self._grow_running(lookahead)
         self._admit(batch, lookahead)
         if not self.running and self.waiting:
             raise RuntimeError("no sample could be scheduled although the pool was checked up front (bug).")
@@ -134,7 +140,9 @@ class Scheduler:
         # without tokens yet reserves the slot of its first token.
         return blocks_for(max(seq.num_generated, 1) + lookahead, self.block_size)
 
-    def _grow_running(self, lookahead: int) -> None:
+    def _grow_running(self, lookahead: int) -> list[Sequence]:
+        """Give every running sample the blocks its next tokens need; returns the samples that got new blocks."""
+        grown = []
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -144,6 +152,8 @@ class Scheduler:
                     break
             if seq.status is SeqStatus.RUNNING and need > 0:
                 seq.blocks.extend(self.allocator.allocate(need))
+                grown.append(seq)
+        return grown
 
     def _make_room(self, requester: Sequence) -> bool:
         """Free memory for `requester`: move a parked sample's KV to the host tier, else evict an idle prompt, else
@@ -221,6 +231,7 @@ class Scheduler:
         extra = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
         if extra > 0:
             seq.blocks.extend(self.allocator.allocate(extra))
+            batch.grown.append(seq)
         if host:
             batch.swap_in.append((seq, seq.blocks[:host]))
         return True
@@ -307,10 +318,11 @@ class Scheduler:
             if done:
                 self.finish(seq)
                 continue
-            keep = blocks_for(seq.num_generated, self.block_size)
-            if len(seq.blocks) > keep:
-                self.allocator.free(seq.blocks[keep:])
-                del seq.blocks[keep:]
+            if batch.lookahead:  # give back the blocks reserved for drafts that were not accepted
+                keep = blocks_for(seq.num_generated, self.block_size)
+                if len(seq.blocks) > keep:
+                    self.allocator.free(seq.blocks[keep:])
+                    del seq.blocks[keep:]
             if chunked:
                 target = self._chunk_target(seq)
                 if target is not None and seq.num_generated >= target:

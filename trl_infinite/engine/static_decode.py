@@ -20,7 +20,7 @@ from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
 from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seed_base
-from .sequence import Sequence
+from .scheduler import ScheduledBatch
 
 
 def bucket_sizes(capacity: int) -> list[int]:
@@ -95,14 +95,14 @@ class StaticDecoder:
             self.rows.update([])
 
     # ------------------------------------------------------------------ one step
-    def decode(self, seqs: list[Sequence], stats: RolloutStats) -> tuple[list[int], list[float], torch.Tensor | None,
-                                                                       list[int]]:
-        """One token per sample. Returns tokens and log-probs (in `seqs` order), the last hidden states of the
-        padded batch ([rows, hidden] on the device, or None) and each sample's row in it. Adds the host time of
-        the upload and the read-back to `stats.host_time_s`, the forward's to `stats.decode_forward_s`."""
+    def decode(self, batch: ScheduledBatch, stats: RolloutStats) -> tuple[list[int], list[float], torch.Tensor | None,
+                                                                         list[int]]:
+        """One token per sample of `batch.decode`. Returns tokens and log-probs (in that order), the last hidden
+        states of the padded batch ([rows, hidden] on the device, or None) and each sample's row in it. Adds the
+        host time of the upload and the read-back to `stats.host_time_s`, the forward's to `stats.decode_forward_s`."""
         t0 = time.perf_counter()
-        rows = self.rows
-        row_of = rows.update(seqs)
+        rows, seqs = self.rows, batch.decode
+        row_of = rows.update(seqs, batch.grown, batch.rebuilt)
         n = len(seqs)
         padded = next(b for b in bucket_sizes(rows.capacity) if b >= n)
         pcols, ocols = rows.prefix_cols, rows.own_cols
@@ -148,13 +148,19 @@ class StaticDecoder:
                 return self._compiled(*args)
 
     def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed):
-        """The static region: [2, N] inputs and per-row state in, [N] tokens and log-probs out."""
+        """The static region: [2, N] inputs and per-row state in, [N] tokens and log-probs out. Advances the rows
+        for the next step on the device: input token := the sampled token, position + 1, the token marked seen
+        (padding rows, group -1, keep position 0)."""
         ids, pos = inputs[0], inputs[1]
         meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size)
         logits, hidden = self.runner.run(ids[None], pos[None], meta, 0, self.want_hidden)
         logprobs = self.sampler.process(logits, seen)
         keys = row_keys(seed, group, sample, pos + 1)
         tokens, token_logprobs = self.sampler.sample(logprobs, keys)
+        inputs[0].copy_(tokens)
+        inputs[1].add_((group >= 0).long())
+        if seen is not None:
+            seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
         return tokens, token_logprobs, hidden
 
     # ------------------------------------------------------------------ CUDA graphs
