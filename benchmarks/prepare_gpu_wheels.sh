@@ -10,8 +10,9 @@
 #   trl 1.16.0           TRL's GRPOConfig / GRPOTrainer / pad (rollout_bench's TRL paths, trainer_step)
 #   datasets 5.2.0       imported by trl's trainers and by trainer_step (Dataset.from_dict)
 #   dill, multiprocess   datasets' own dependencies that the image lacks
-#   transformers 5.23.0  the version CI and every CPU test run on: the paged-attention routing, the support probe and
-#                        TRL's continuous-batching path are checked against it (the image's 5.17 is not)
+#   transformers 5.23.0  the version CI and every CPU test run on. The image's 5.17 also runs the suite's paths
+#                        (checked on CPU: the greedy, static-decode, step-hook and trainer tests pass and the three
+#                        rollout paths run), but 2 model-support tests differ there (gemma2 soft-capping, hy_v4)
 # --with-pyarrow adds pyarrow 26.0.1 (55 MB) for an image whose pyarrow is older than datasets 5.2 needs (>= 24):
 # it fits 64 MiB only without transformers 5.23, so it drops that wheel (the suite then runs on the image's 5.17).
 # Re-run before each GPU session: downloads are skipped when present, and .whl/COMMIT is refreshed.
