@@ -16,8 +16,9 @@ import time
 import torch
 from common import GB, Table, default_hbm_gbps, dtype_for, pick_device, run_header, sync, write_results
 
-from trl_infinite.engine.attention import LayerAttention, Segment, build_metadata, torch_paged_attention
+from trl_infinite.engine.attention import LayerAttention, Segment, build_metadata, resolve_backend, with_context
 
+MASKS = ((None, None),)  # one full-causal mask pattern (no sliding window, no chunking)
 COLUMNS = ["prompts", "G", "prompt_len", "own_len", "variant", "us", "kv_MB", "GB/s", "x_roofline", "max_err"]
 
 
@@ -71,8 +72,8 @@ def main(argv=None) -> None:
     device = pick_device(args.device)
     dtype = dtype_for(args.dtype, device)
     hbm = args.hbm_gbps or default_hbm_gbps(device)
-    if any(v.startswith("triton") for v in args.variants):
-        from trl_infinite.engine.attention.triton_backend import triton_paged_attention
+    backends = {v: resolve_backend("torch" if v == "torch" else "triton", device) for v in args.variants}
+    reference = resolve_backend("torch", device)
     header = run_header(device, "python " + " ".join(shlex.quote(a) for a in sys.argv))
     table = Table(COLUMNS)
     tok_bytes = 2 * args.kv_heads * args.head_dim * torch.tensor([], dtype=dtype).element_size()
@@ -89,11 +90,12 @@ def main(argv=None) -> None:
                 for variant in args.variants:
                     cases = segs if variant != "triton_no_share" else make_case(
                         n, args.group_size, plen, own, args.block_size, shared=False)[0]
-                    _, _, meta = build_metadata(cases, args.block_size, device)
-                    fn = torch_paged_attention if variant == "torch" else triton_paged_attention
+                    _, _, raw = build_metadata(cases, args.block_size, device)
+                    fn = backends[variant].attend
+                    meta = backends[variant].prepare(raw, MASKS)  # once per forward (cascade plan / context plan)
                     out = fn(q, k, v, meta, layer)
-                    if ref is None:
-                        ref = torch_paged_attention(q.float(), k.float(), v.float(), meta, layer)
+                    if ref is None:  # float32 torch reference (the same attention for every variant)
+                        ref = reference.attend(q.float(), k.float(), v.float(), with_context(raw, MASKS), layer)
                     secs = time_call(lambda f=fn, m=meta, q=q, k=k, v=v: f(q, k, v, m, layer), device, args.iters)
                     ctx = n * plen + len(segs) * own if variant == "triton" else len(segs) * (plen + own)
                     kv = ctx * tok_bytes

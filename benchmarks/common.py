@@ -22,6 +22,7 @@ from trl_infinite.utils.traces import TraceRecord, load_trace, lognormal_trace  
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}  # peak HBM bandwidth by device-name substring (SXM parts)
 GSM8K_TEST = dataset_file("gsm8k")
 GB = 1e9
+REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------- device and run facts
@@ -45,13 +46,20 @@ def default_hbm_gbps(device: torch.device) -> float | None:
 
 
 def git_commit() -> str:
+    """Short commit of the checkout (+dirty with uncommitted changes to tracked files). A copy without `.git` (the
+    GPU machine) reads `$BENCH_COMMIT`, else `.whl/COMMIT` (written by `prepare_gpu_wheels.sh`), else "unknown"."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=REPO)
         status = ["git", "status", "--porcelain", "--untracked-files=no"]
-        dirty = subprocess.run(status, capture_output=True, text=True)
+        dirty = subprocess.run(status, capture_output=True, text=True, cwd=REPO)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        pass
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    stamp = REPO / ".whl" / "COMMIT"
+    return stamp.read_text().strip() + " (from .whl/COMMIT)" if stamp.exists() else "unknown"
 
 
 def run_header(device: torch.device, command: str) -> dict:
@@ -66,6 +74,29 @@ def run_header(device: torch.device, command: str) -> dict:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbps(device: torch.device, gigabytes: float = 2.0, iters: int = 20) -> float | None:
+    """Measured device-to-device copy bandwidth (GB/s, bytes read + bytes written, median of `iters` copies of
+    `gigabytes` (source size) timed with CUDA events): the achievable HBM ceiling. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    n = int(gigabytes * GB) // 4  # float32 elements of the source
+    src = torch.randn(n, device=device, dtype=torch.float32)  # random data, never zeros
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    seconds = sorted(times)[len(times) // 2]
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / seconds / GB
 
 
 # ------------------------------------------------------------------------------------------------------------ models
@@ -214,9 +245,19 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def write_results(path: str | None, header: dict, table: Table, extra: dict) -> None:
-    print("\n" + "\n".join(f"{k}: {v}" for k, v in header.items()) + "\n\n" + table.markdown(), flush=True)
+def save_json(path: str | None, header: dict, table: Table, extra: dict) -> None:
+    """The JSON of a run (rows so far): rewritten after every row, so a run cut short keeps what it measured."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({**header, **extra, "rows": table.rows}, indent=1))
-        print(f"\nwrote {path}")
+
+
+def write_results(path: str | None, header: dict, table: Table, extra: dict) -> None:
+    """Print the header and the table; with `path` (*.json) also write the JSON and the same markdown beside it
+    (*.md)."""
+    text = "\n".join(f"- {k}: {v}" for k, v in header.items()) + "\n\n" + table.markdown() + "\n"
+    print("\n" + text, flush=True)
+    if path:
+        save_json(path, header, table, extra)
+        Path(path).with_suffix(".md").write_text(text)
+        print(f"\nwrote {path} and {Path(path).with_suffix('.md')}")

@@ -2,7 +2,8 @@
 `RolloutEngine` in each sampling mode and scheduler, on the same prompts and the same forced completion lengths.
 
 Prints a markdown table (one row per run, as it finishes) and writes JSON. Every path first runs a small warm-up
-call (kernel compilation, CUDA context), then the measured call. See benchmarks/README.md for the commands.
+call (kernel compilation, CUDA context; for the engine, every CUDA-graph bucket), then the measured call. See
+benchmarks/README.md for the commands.
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ from common import (
     measure,
     pick_device,
     run_header,
+    save_json,
     trace_lengths,
     weight_bytes,
     write_results,
 )
-from engine_path import make_engine, roofline, run_engine, time_decode_steps
+from engine_path import StepTimes, bucket_warmup, make_engine, roofline, run_engine, shares_prefix
 from trl_paths import grpo_generation_config, trl_continuous_batching, trl_generate
 
 from trl_infinite.engine.config import SAMPLING_MODES
 from trl_infinite.engine.scheduling.registry import SCHEDULERS
 
-COLUMNS = ["model", "prompts", "G", "path", "mode", "scheduler", "tokens", "seconds", "tok/s", "x_generate",
-           "peak_GB", "pool_GB", "kv_peak_GB", "peak_used_GB", "decode_steps", "step_ms", "mean_batch", "x_roofline"]
+COLUMNS = ["model", "prompts", "G", "path", "mode", "scheduler", "graphs", "tokens", "seconds", "tok/s", "x_generate",
+           "x_cb", "peak_GB", "pool_GB", "kv_peak_GB", "peak_used_GB", "decode_steps", "step_ms", "host_ms", "mean_batch",
+           "x_roofline"]
 TRL_PATHS = {"trl_generate": trl_generate, "trl_cb": trl_continuous_batching}
 
 
@@ -63,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV pool; default: EngineConfig's")
     p.add_argument("--backend", default="auto", help="engine attention backend: auto / torch / triton")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--eager-modes", nargs="*", default=[], choices=list(SAMPLING_MODES),
+                   help="modes that also get a row with EngineConfig.cuda_graphs=False (every mode gets one with "
+                        "graphs on; no difference off CUDA)")
     p.add_argument("--hbm-gbps", type=float, default=None, help="default: 3350 on H100, 4800 on H200, none else")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -95,12 +101,13 @@ def bench_trl(name, model, workload, args, device, table, base):
               peak_GB=m.peak_bytes / GB if m.peak_bytes else None, decode_steps=steps)
 
 
-def bench_engine(model, workload, args, device, table, base, mode, scheduler, wbytes, hbm):
-    engine = make_engine(model, mode, scheduler, args.slots, args.kv_cache_gb, args.backend, args.block_size)
-    run_engine(engine, _warmup_workload(workload), args.max_new_tokens)
-    times = time_decode_steps(engine, shared_prefix=engine.runner.backend.__name__ != "torch_paged_attention")
+def bench_engine(model, workload, args, device, table, base, mode, scheduler, graphs, wbytes, hbm):
+    engine = make_engine(model, mode, scheduler, args.slots, args.kv_cache_gb, args.backend, args.block_size,
+                         cuda_graphs=graphs == "on")
+    run_engine(engine, bucket_warmup(workload), args.max_new_tokens)
+    times = StepTimes(shared_prefix=shares_prefix(engine))
     _free(device)
-    m = measure(lambda: run_engine(engine, workload, args.max_new_tokens, args.seed), device)
+    m = measure(lambda: run_engine(engine, workload, args.max_new_tokens, args.seed, on_decode_step=times), device)
     result = m.value
     check_lengths(result.completion_ids, workload, f"engine/{mode}/{scheduler}")
     st = result.stats
@@ -108,10 +115,11 @@ def bench_engine(model, workload, args, device, table, base, mode, scheduler, wb
     kv_per_token = engine.pool.block_bytes // engine.pool.block_size
     # peak_used: the CUDA peak with the pool's never-used blocks taken out (what a pool of exactly the used size gives)
     used = (m.peak_bytes - pool + st.peak_kv_bytes) / GB if m.peak_bytes else None
-    table.add(**base, path="engine", mode=mode, scheduler=scheduler, tokens=st.generated_tokens, seconds=m.seconds,
+    table.add(**base, path="engine", mode=mode, scheduler=scheduler, graphs=graphs if device.type == "cuda" else "-",
+              tokens=st.generated_tokens, seconds=m.seconds,
               **{"tok/s": st.generated_tokens / m.seconds}, peak_GB=m.peak_bytes / GB if m.peak_bytes else None,
               pool_GB=pool / GB, kv_peak_GB=st.peak_kv_bytes / GB, peak_used_GB=used, decode_steps=st.decode_steps,
-              **_rename(roofline(times, wbytes, kv_per_token, hbm)))
+              host_ms=st.host_ms_per_step, **_rename(roofline(times, wbytes, kv_per_token, hbm)))
 
 
 def _rename(r: dict) -> dict:
@@ -119,10 +127,12 @@ def _rename(r: dict) -> dict:
 
 
 def add_speedups(table: Table) -> None:
-    base = {(r["prompts"], r["G"]): r["tok/s"] for r in table.rows if r["path"] == "trl_generate"}
-    for r in table.rows:
-        ref = base.get((r["prompts"], r["G"]))
-        r["x_generate"] = r["tok/s"] / ref if ref else None
+    """`x_generate` / `x_cb`: tok/s over trl_generate's / trl_cb's on the same prompts and G."""
+    for column, path in (("x_generate", "trl_generate"), ("x_cb", "trl_cb")):
+        base = {(r["prompts"], r["G"]): r["tok/s"] for r in table.rows if r["path"] == path}
+        for r in table.rows:
+            ref = base.get((r["prompts"], r["G"]))
+            r[column] = r["tok/s"] / ref if ref else None
 
 
 def main(argv=None) -> None:
@@ -146,11 +156,15 @@ def main(argv=None) -> None:
             for name in args.paths:
                 if name in TRL_PATHS:
                     bench_trl(name, model, workload, args, device, table, base)
+                    save_json(args.json, header, table, {"partial": True})
                     continue
                 for mode in args.modes:
                     for scheduler in schedulers:
-                        bench_engine(model, workload, args, device, table, base, mode, scheduler, wbytes, hbm)
-                        _free(device)  # the engine and its pool are gone
+                        for graphs in ["on", "off"] if mode in args.eager_modes else ["on"]:
+                            bench_engine(model, workload, args, device, table, base, mode, scheduler, graphs, wbytes,
+                                         hbm)
+                            _free(device)  # the engine and its pool are gone
+                            save_json(args.json, header, table, {"partial": True})
     add_speedups(table)
     extra = {"dtype": str(dtype), "weight_GB": wbytes / GB, "hbm_gbps": hbm, "lengths": sources,
              "slots": args.slots, "backend": args.backend}

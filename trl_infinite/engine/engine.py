@@ -13,7 +13,7 @@ from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
 from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
-from .loop import drive
+from .loop import StepTimer, drive
 from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
 from .sampler import Sampler
@@ -88,10 +88,15 @@ class RolloutEngine:
         sampling: SamplingParams | None = None,
         forced_lengths: list[list[int]] | None = None,
         on_sample_finished: FinishCallback | None = None,
+        on_decode_step: StepTimer | None = None,
     ) -> RolloutResult:
         """G completions per prompt, prompt-major. `forced_lengths[i][j]` (benchmarks) fixes sample j of prompt i
         to exactly that many tokens, EOS ignored. `on_sample_finished(prompt_idx, sample_idx, completion_ids)` is
-        called as each sample finishes, while the others keep decoding.
+        called as each sample finishes, while the others keep decoding. `on_decode_step(batch, seconds)`
+        (benchmarks, profiling) is called after every step that ran a decode forward, with the step's
+        `ScheduledBatch` (its samples still as they were before the step's tokens were appended) and the
+        wall seconds of the step's execution (prefill of the step's prompts included, if any; on CUDA up to the
+        tokens' read-back, so the device work is included).
 
         `prompt_ids`: a list of token-id lists (a 2D integer tensor / array is converted); ids must lie in
         [0, vocab). The model runs in eval mode for the call and gets its previous mode back afterwards."""
@@ -99,7 +104,8 @@ class RolloutEngine:
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
         with torch.inference_mode(), eval_mode(self.model):
-            return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished)
+            return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
+                                  on_decode_step)
 
     def _generate(
         self,
@@ -109,6 +115,7 @@ class RolloutEngine:
         max_new: int,
         forced_lengths: list[list[int]] | None,
         on_sample_finished: FinishCallback | None,
+        on_decode_step: StepTimer | None = None,
     ) -> RolloutResult:
         """The body of `generate` on validated inputs, with the model in eval mode, in inference mode (no autograd
         bookkeeping: several percent of a host-bound step)."""
@@ -134,7 +141,7 @@ class RolloutEngine:
             def finished(seq: Sequence) -> None:
                 on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
         try:
-            drive(scheduler, executor, stats, on_finished=finished)
+            drive(scheduler, executor, stats, on_finished=finished, on_decode_step=on_decode_step)
         finally:
             self.decoder.end()
         self._fill_stats(stats, scheduler, seqs, start)
