@@ -60,7 +60,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (all layers)."})
     kv_cache_gb: float | None = field(default=None, metadata={"help": "KV pool size in GB (K and V, all layers)."})
     kv_cache_fraction: float = field(
-        default=0.5, metadata={"help": "Fraction of free CUDA memory for the KV pool when no explicit budget is set."}
+        default=0.5,
+        metadata={"help": "Fraction of free CUDA memory for the KV pool when no explicit budget is set (with CUDA "
+                  "graphs, an estimate of the captured decode step's memory is taken out of it first)."},
     )
     default_cpu_kv_tokens: int = field(default=65536, metadata={"help": "KV pool tokens on CPU with no budget set."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})

@@ -57,6 +57,10 @@ class DecodeRows:
     def max_prompt_blocks(self) -> int:
         return max(self._prompt, default=0)
 
+    def clear(self) -> None:
+        """Forget every row (after a step that appended tokens without advancing the rows on the device)."""
+        self.update([])
+
     def fits(self, capacity: int, prefix_cols: int, own_cols: int, vocab: int | None) -> bool:
         return (capacity <= self.capacity and prefix_cols <= self.prefix_cols and own_cols <= self.own_cols
                 and (vocab is None or (self.seen is not None and self.seen.shape[1] == vocab)))
@@ -76,16 +80,13 @@ class DecodeRows:
         if leaving:
             self._drop(leaving)
         joiners = [s for s in seqs if s.seq_id not in self.row_of]
-        cells = []
-        for s in grown:
-            r = self.row_of.get(s.seq_id)
-            if r is not None:  # a row that stays (joiners are written whole below)
-                cells.extend((r, c, s.blocks[c]) for c in range(self._written[r], len(s.blocks)))
+        stay = [(self.row_of[s.seq_id], s) for s in grown if s.seq_id in self.row_of]  # joiners are written whole
+        if stay:  # the whole own-table row: blocks given back after drafts may have been replaced by others
+            rows = torch.tensor([r for r, _ in stay], device=self.device)
+            self.suffix_table[rows] = self._table([s.blocks for _, s in stay], self.own_cols)
+            for r, s in stay:
                 self._count(self._own, self._written[r], len(s.blocks))
                 self._written[r] = len(s.blocks)
-        if cells:
-            c = torch.tensor(cells, dtype=torch.long).to(self.device)
-            self.suffix_table[c[:, 0], c[:, 1]] = c[:, 2]
         if joiners:
             self._join(joiners)
         return [self.row_of[s.seq_id] for s in seqs]

@@ -20,7 +20,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .scheduling.factory import build_policies, build_predictor
 from .sequence import Group, Sequence, make_group
-from .static_decode import StaticDecoder
+from .static_decode import StaticDecoder, static_step_bytes
 from .support import check_support
 
 FinishCallback = Callable[[int, int, list[int]], None]
@@ -41,7 +41,11 @@ class RolloutEngine:
         self.device = param.device
         self.support = check_support(model, self.config.attention_backend)
         self.vocab_size = model_vocab_size(model)
-        self.pool = KVCachePool(self.support.kv, self.config, dtype=param.dtype, device=self.device)
+        reserve = 0
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            reserve = static_step_bytes(model.config, self.config.max_active_sequences or 256)
+        self.pool = KVCachePool(self.support.kv, self.config, dtype=param.dtype, device=self.device,
+                                reserve_bytes=reserve)
         self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers)
         self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
                                      compile_backend=self.config.compile_backend)
@@ -155,17 +159,16 @@ class RolloutEngine:
     # ------------------------------------------------------------------ helpers
     def _executor(self, policy, sampling: SamplingParams, stats: RolloutStats, groups: list[Group], max_new: int):
         sampler = Sampler(sampling)
-        ctx = StepContext(self.runner, sampler, sampling.seed, stats, self.config.max_prefill_tokens)
         uses = getattr(policy, "predictor", None) is self.predictor and self.predictor.wants_hidden
         prefix = PrefixCapture(self.predictor.prefix_k) if uses else None
+        bs = self.config.block_size
+        capacity = self.config.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
+        self.decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
+                           prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
+                           own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None)
+        ctx = StepContext(self.runner, sampler, sampling.seed, stats, self.config.max_prefill_tokens, self.decoder)
         spec = self.speculator.begin(ctx, sampling) if self.speculator is not None else None
-        if spec is None:
-            bs = self.config.block_size
-            capacity = self.config.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
-            self.decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
-                               prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
-                               own_blocks=blocks_for(max_new, bs), want_hidden=prefix is not None)
-        return ModelExecutor(ctx, self.decoder, prefix, spec)
+        return ModelExecutor(ctx, prefix, spec)
 
     @staticmethod
     def _make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths) -> list[Group]:

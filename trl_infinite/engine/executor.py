@@ -10,6 +10,7 @@ Per `ScheduledBatch`:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class StepContext:
     seed: int
     stats: RolloutStats
     max_prefill_tokens: int
+    decoder: StaticDecoder  # the static decode step (its rows already set up for the call)
 
     @property
     def device(self) -> torch.device:
@@ -75,9 +77,8 @@ class PrefixCapture:
 class ModelExecutor:
     """`Executor` of the drive loop backed by the model (see the module docstring)."""
 
-    def __init__(self, ctx: StepContext, decoder: StaticDecoder, prefix: PrefixCapture | None = None, spec=None):
+    def __init__(self, ctx: StepContext, prefix: PrefixCapture | None = None, spec=None):
         self.ctx = ctx
-        self.decoder = decoder
         self.prefix = prefix
         self.spec = spec  # a `spec_decode.SpeculativeStep`, or None
         self.host_kv: dict[int, list] = {}  # divided rollout's host tier, by seq_id
@@ -85,22 +86,28 @@ class ModelExecutor:
     def lookahead(self, num_running: int) -> int:
         return self.spec.lookahead(num_running) if self.spec is not None else 0
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def launch(self, batch: ScheduledBatch) -> Callable[[], StepOutput]:
+        """Run the step's prefills, start its decode forward, return the function that completes the step."""
         self._swap(batch)
         out = StepOutput()
         out.first_tokens, out.first_logprobs = self._prefill(batch)
         if not batch.decode:
-            return out
+            return lambda: out
         if self.spec is not None:
             out.tokens, out.logprobs = self.spec.run(batch)
+            return lambda: out
+        finish = self.ctx.decoder.launch(batch, self.ctx.stats)
+
+        def complete() -> StepOutput:
+            decoded = finish()
+            if self.prefix is not None:
+                for i in self.prefix.wanted(batch.decode):
+                    self.prefix.deliver(batch.decode[i], decoded.hidden[decoded.rows[i]])
+            out.tokens = [[t] for t in decoded.tokens]
+            out.logprobs = [[lp] for lp in decoded.logprobs]
             return out
-        tokens, logprobs, hidden, rows = self.decoder.decode(batch, self.ctx.stats)
-        if self.prefix is not None:
-            for i in self.prefix.wanted(batch.decode):
-                self.prefix.deliver(batch.decode[i], hidden[rows[i]])
-        out.tokens = [[t] for t in tokens]
-        out.logprobs = [[lp] for lp in logprobs]
-        return out
+
+        return complete
 
     def after_step(self, batch: ScheduledBatch) -> None:
         if self.spec is not None:

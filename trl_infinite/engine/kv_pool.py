@@ -59,7 +59,9 @@ class KVCachePool:
     `v_caches[i]` is [(num_blocks + 1) * B, Hkv_i, Dv_i]. The null block is part of the budget. `layout` is a
     `KVLayout` (or a config, read by `from_config`)."""
 
-    def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0):
+        """`reserve_bytes`: taken out of a `kv_cache_fraction` budget first (the captured decode step's memory)."""
+        self.reserve_bytes = reserve_bytes
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
         self.num_layers = self.layout.num_layers
         self.block_size = config.block_size
@@ -86,7 +88,8 @@ class KVCachePool:
             n, field = int(config.kv_cache_gb * GB // self.block_bytes), "kv_cache_gb"
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            n, field = int(free * config.kv_cache_fraction // self.block_bytes), "kv_cache_fraction"
+            n = int((free * config.kv_cache_fraction - self.reserve_bytes) // self.block_bytes)
+            field = "kv_cache_fraction"
         else:
             n, field = config.default_cpu_kv_tokens // self.block_size, "default_cpu_kv_tokens"
         if n < 2:

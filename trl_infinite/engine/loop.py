@@ -26,14 +26,17 @@ class Executor(Protocol):
         """Extra KV slots per running sample the next step may write (speculative drafts), 0 otherwise."""
         ...
 
-    def run(self, batch: ScheduledBatch) -> StepOutput: ...
+    def launch(self, batch: ScheduledBatch) -> Callable[[], StepOutput]:
+        """Start the step; the returned function waits for it. The loop runs the previous step's finish callbacks
+        in between, so on a GPU they overlap the running decode step."""
+        ...
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Called once the step's tokens were appended (and finished samples freed)."""
         ...
 
 
-StepTimer = Callable[[ScheduledBatch, float], None]  # (batch, seconds of `executor.run`), decode steps only
+StepTimer = Callable[[ScheduledBatch, float], None]  # (batch, seconds from launch to completion), decode steps
 
 
 def drive(
@@ -44,15 +47,21 @@ def drive(
     on_decode_step: StepTimer | None = None,
 ) -> None:
     """Run the scheduler to completion. Counts `decode_steps` (steps with a decode forward) and
-    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`); reports every
-    finished sample to `on_finished` as soon as it finished."""
+    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`). Every
+    finished sample goes to `on_finished` while the next step runs (at the latest when the loop ends), on this
+    thread."""
     total = scheduler.num_samples
     clock = time.perf_counter
+    done: list[Sequence] = []  # finished in the last step, not yet reported
     while scheduler.has_unfinished():
         t0 = clock()
         batch = scheduler.schedule(lookahead=executor.lookahead(len(scheduler.running)))
         start = clock()
-        out = executor.run(batch)
+        complete = executor.launch(batch)
+        if on_finished is not None:
+            for seq in done:
+                on_finished(seq)
+        out = complete()
         seconds = clock() - start
         stats.host_time_s += start - t0
         if batch.decode:
@@ -67,6 +76,7 @@ def drive(
         scheduler.postprocess(batch, out)
         executor.after_step(batch)
         stats.host_time_s += clock() - t0
-        if on_finished is not None:
-            for seq in scheduler.finished[done_before:]:
-                on_finished(seq)
+        done = scheduler.finished[done_before:]
+    if on_finished is not None:
+        for seq in done:
+            on_finished(seq)

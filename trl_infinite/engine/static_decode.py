@@ -12,6 +12,8 @@ The host's work per step is `DecodeRows.update` (incremental uploads) and one co
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,8 +34,29 @@ def bucket_sizes(capacity: int) -> list[int]:
     return sizes + [capacity]
 
 
+def static_step_bytes(model_config, rows: int) -> int:
+    """Upper estimate of what one static decode step at `rows` rows allocates: the logits and the sampler's copies
+    of them ([rows, V] in float32 / float64, about six) and the per-layer temporaries. CUDA graphs share one private
+    memory pool, so this is the graphs' memory (reserved from a `kv_cache_fraction` budget; the measured figure is
+    `RolloutStats.extra["cuda_graph_bytes"]`)."""
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    width = cfg.hidden_size * 8 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 3
+    return rows * (cfg.vocab_size * 4 * 6 + width * 4 * 2)
+
+
 def _pow2_at_least(n: int, cap: int) -> int:
     return min(cap, 1 << max(n - 1, 1).bit_length())
+
+
+@dataclass
+class Decoded:
+    """One decode step's result, in `batch.decode` order; `hidden` [rows, hidden] on the device (or None) is
+    indexed by `rows`."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    hidden: torch.Tensor | None
+    rows: list[int]
 
 
 class _Captured:
@@ -61,6 +84,7 @@ class StaticDecoder:
         self.graphs: dict[tuple, _Captured] = {}
         self.graph_pool = None
         self.graph_bytes = 0
+        self._host: torch.Tensor | None = None  # pinned read-back buffer (CUDA)
         self._fingerprint: tuple = ()
         self._compiled = None
         self._guarded: set[tuple] = set()  # (bucket, widths kind, sampler key) already checked with full guards
@@ -91,15 +115,19 @@ class StaticDecoder:
 
     def end(self) -> None:
         """Release the rows of the finished call (their samples are done)."""
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Tokens were appended by another path (a verification forward): rebuild every row at the next step."""
         if self.rows is not None:
-            self.rows.update([])
+            self.rows.clear()
 
     # ------------------------------------------------------------------ one step
-    def decode(self, batch: ScheduledBatch, stats: RolloutStats) -> tuple[list[int], list[float], torch.Tensor | None,
-                                                                         list[int]]:
-        """One token per sample of `batch.decode`. Returns tokens and log-probs (in that order), the last hidden
-        states of the padded batch ([rows, hidden] on the device, or None) and each sample's row in it. Adds the
-        host time of the upload and the read-back to `stats.host_time_s`, the forward's to `stats.decode_forward_s`."""
+    def launch(self, batch: ScheduledBatch, stats: RolloutStats) -> Callable[[], Decoded]:
+        """Start one decode step over `batch.decode` (one token per sample); returns the function that waits for it.
+        On CUDA the step runs asynchronously between the two calls (the host is free, e.g. to score rewards), and
+        the tokens come back through one copy into pinned memory. Adds the host time of the upload and the
+        read-back to `stats.host_time_s`, the forward's (up to the read-back) to `stats.decode_forward_s`."""
         t0 = time.perf_counter()
         rows, seqs = self.rows, batch.decode
         row_of = rows.update(seqs, batch.grown, batch.rebuilt)
@@ -121,13 +149,27 @@ class StaticDecoder:
             tokens, logprobs, hidden = self._replay((padded, pcols, ocols), args)
         else:
             tokens, logprobs, hidden = self._run(args)
-        host = torch.stack([tokens[:n].double(), logprobs[:n].double()]).cpu()  # one device -> host copy
+        packed = torch.stack([tokens[:n].double(), logprobs[:n].double()])  # [2, n]: ids are exact in float64
+        if packed.is_cuda:
+            if self._host is None or self._host.shape[1] < rows.capacity:
+                self._host = torch.empty(2, rows.capacity, dtype=torch.float64, pin_memory=True)
+            packed = self._host[:, :n].copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
         t2 = time.perf_counter()
-        host = host.tolist()
-        out = ([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of)
-        stats.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
-        stats.decode_forward_s += t2 - t1
-        return out
+
+        def finish() -> Decoded:
+            t3 = time.perf_counter()
+            if packed.is_pinned():
+                done.synchronize()
+            t4 = time.perf_counter()
+            host = packed.tolist()
+            out = Decoded([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of)
+            stats.host_time_s += (t1 - t0) + (time.perf_counter() - t4)
+            stats.decode_forward_s += (t2 - t1) + (t4 - t3)
+            return out
+
+        return finish
 
     def _run(self, args):
         with self.runner.routed():

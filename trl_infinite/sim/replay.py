@@ -78,6 +78,10 @@ class TraceExecutor:
     def lookahead(self, num_running: int) -> int:
         return 0
 
+    def launch(self, batch: ScheduledBatch):
+        out = self.run(batch)
+        return lambda: out
+
     def run(self, batch: ScheduledBatch) -> StepOutput:
         out = StepOutput()
         for group in batch.prefill_groups:

@@ -74,6 +74,12 @@ class SpeculativeStep:
                 self.known[s.seq_id] = s.num_generated
         proposals = self._draft(seqs, batch.lookahead)
         drafts = [p.tokens for p in proposals]
+        if not any(drafts):  # nothing to verify: the plain static step (captured / compiled where enabled)
+            t0 = time.perf_counter()
+            decoded = self.ctx.decoder.launch(batch, self.ctx.stats)()
+            self._observe(seqs, drafts, [0] * len(seqs), time.perf_counter() - t0)
+            return [[t] for t in decoded.tokens], [[lp] for lp in decoded.logprobs]
+        self.ctx.decoder.invalidate()  # this step appends tokens the static rows do not see: rebuild them next time
         start = [s.num_tokens - 1 for s in seqs]
         segments = [self._segment(s, [s.output_ids[-1]] + d, pos) for s, d, pos in zip(seqs, drafts, start)]
         t0 = time.perf_counter()
