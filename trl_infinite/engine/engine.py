@@ -13,6 +13,7 @@ from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
 from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
+from .logits import GenerationProcessors
 from .loop import drive
 from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
@@ -147,11 +148,14 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ helpers
     def _executor(self, policy, sampling: SamplingParams, stats: RolloutStats, groups: list[Group], max_new: int):
-        sampler = Sampler(sampling)
+        processors = GenerationProcessors(self.model, sampling, self.device) if sampling.generation_kwargs else None
+        sampler = Sampler(sampling, processors)
         ctx = StepContext(self.runner, sampler, sampling.seed, stats, self.config.max_prefill_tokens)
         uses = getattr(policy, "predictor", None) is self.predictor and self.predictor.wants_hidden
         prefix = PrefixCapture(self.predictor.prefix_k) if uses else None
         spec = self.speculator.begin(ctx, sampling) if self.speculator is not None else None
+        if sampler.has_extra_processors:  # eager decode: the static path runs the built-in processors only
+            return ModelExecutor(ctx, None, prefix, spec)
         if spec is None:
             bs = self.config.block_size
             capacity = self.config.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)

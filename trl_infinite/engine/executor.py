@@ -4,8 +4,9 @@ Per `ScheduledBatch`:
 1. divided rollout's host tier: KV of parked samples copied out, returning samples' KV copied back in;
 2. prefill of the batch's prompts and recomputes (eager, chunked to `max_prefill_tokens`); the last position of
    each prompt gives the first token of every one of its samples that has none (all G at once);
-3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, or the
-   speculative step (drafts + one verification forward) when speculation is on.
+3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, the
+   speculative step (drafts + one verification forward) when speculation is on, or an eager forward when the
+   sampler runs extra `GenerationConfig` processors (`decoder` is then None).
 """
 
 from __future__ import annotations
@@ -46,16 +47,19 @@ class StepContext:
                contexts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [N] and log-probs [N] drawn from `logits` [N, V] for `seqs` at `positions` (the emitted token's
         position); `contexts[i]` are the ids row i's context holds (needed by the repetition penalty)."""
-        seen = None
+        seen = history = None
         if self.sampler.uses_context:
-            rows = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
+            history = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
             for i, c in enumerate(contexts):
-                rows[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-            seen = seen_mask(rows.to(self.device), logits.shape[-1])
+                history[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            history = history.to(self.device)
+            if not self.sampler.has_extra_processors:
+                seen, history = seen_mask(history, logits.shape[-1]), None
         dev = self.device
         keys = row_keys(self.seed, torch.tensor([s.group_id for s in seqs], device=dev),
                         torch.tensor([s.sample_idx for s in seqs], device=dev), torch.tensor(positions, device=dev))
-        return self.sampler.sample(self.sampler.process(logits, seen), keys)
+        processed = self.sampler.process(logits, seen, history, [s.prompt_len for s in seqs])
+        return self.sampler.sample(processed, keys)
 
 
 class PrefixCapture:
@@ -75,7 +79,8 @@ class PrefixCapture:
 class ModelExecutor:
     """`Executor` of the drive loop backed by the model (see the module docstring)."""
 
-    def __init__(self, ctx: StepContext, decoder: StaticDecoder, prefix: PrefixCapture | None = None, spec=None):
+    def __init__(self, ctx: StepContext, decoder: StaticDecoder | None, prefix: PrefixCapture | None = None,
+                 spec=None):
         self.ctx = ctx
         self.decoder = decoder
         self.prefix = prefix
@@ -94,7 +99,10 @@ class ModelExecutor:
         if self.spec is not None:
             out.tokens, out.logprobs = self.spec.run(batch)
             return out
-        tokens, logprobs, hidden, rows = self.decoder.decode(batch.decode, self.ctx.stats)
+        if self.decoder is None:
+            tokens, logprobs, hidden, rows = self._eager_decode(batch.decode)
+        else:
+            tokens, logprobs, hidden, rows = self.decoder.decode(batch.decode, self.ctx.stats)
         if self.prefix is not None:
             for i in self.prefix.wanted(batch.decode):
                 self.prefix.deliver(batch.decode[i], hidden[rows[i]])
@@ -107,6 +115,18 @@ class ModelExecutor:
             self.spec.after_step(batch)
 
     # ------------------------------------------------------------------ pieces
+    def _eager_decode(self, seqs: list[Sequence]) -> tuple[list[int], list[float], torch.Tensor | None, list[int]]:
+        """One eager decode forward (each row's input: its last output token at position `num_tokens - 1`), sampled
+        with the sampler's extra processors on each row's full context. Same outputs as `StaticDecoder.decode`."""
+        segments = [Segment(s.prompt_len, s.group.prompt_blocks, s.blocks, s.num_tokens - 1, [s.output_ids[-1]],
+                            s.group_id) for s in seqs]
+        want_hidden = self.prefix is not None and bool(self.prefix.wanted(seqs))
+        logits, hidden = self.ctx.runner.forward(segments, torch.arange(len(seqs)), output_hidden=want_hidden)
+        contexts = [s.group.prompt_ids + s.output_ids for s in seqs]
+        tokens, logprobs = self.ctx.sample(logits, seqs, [s.num_tokens for s in seqs], contexts)
+        host = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        return [int(t) for t in host[0]], host[1], hidden, list(range(len(seqs)))
+
     def _swap(self, batch: ScheduledBatch) -> None:
         """Divided rollout's host tier: copy parked samples' KV out (first), then returning ones back in."""
         for seq, blocks in batch.swap_out:

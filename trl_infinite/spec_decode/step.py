@@ -120,8 +120,13 @@ class SpeculativeStep:
         k = max(len(d) for d in drafts)
         lens = torch.tensor([len(d) for d in drafts], device=device)
         sampler = self.ctx.sampler
-        seen = seen_mask(_history_rows(seqs, drafts).to(device), logits.shape[-1]) if sampler.uses_context else None
-        p_flat = sampler.process(logits, seen)  # [T, V]
+        seen = history = None
+        if sampler.uses_context:
+            history = _history_rows(seqs, drafts).to(device)  # [T, L]
+            if not sampler.has_extra_processors:
+                seen, history = seen_mask(history, logits.shape[-1]), None
+        prompt_lens = [s.prompt_len for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]  # [T]
+        p_flat = sampler.process(logits, seen, history, prompt_lens)  # [T, V]
         offsets = torch.tensor([0] + [len(d) + 1 for d in drafts][:-1], device=device).cumsum(0)
         cols = torch.arange(k + 1, device=device)
         idx = offsets[:, None] + torch.minimum(cols[None, :], lens[:, None])  # [N, K+1] (padding repeats the last)
