@@ -80,9 +80,10 @@ def unsupported_generation_keys(config: GenerationConfig) -> list[str]:
 
 
 def split_generation_config(config: GenerationConfig) -> tuple[dict, dict]:
-    """(`SamplingParams` fields of the common keys, every other key of `config` for `generation_kwargs`).
+    """(`SamplingParams` fields of the common keys, every other set key of `config` for `generation_kwargs`).
 
-    Unset common keys get the values that disable them (`top_k=0`, `min_p=0`, ...)."""
+    Unset common keys get the values that disable them (`top_k=0`, `min_p=0`, ...); keys at `generate`'s own
+    defaults are left out (they change nothing)."""
     common = {
         "temperature": 1.0 if config.temperature is None else config.temperature,
         "top_k": config.top_k or 0,
@@ -92,10 +93,11 @@ def split_generation_config(config: GenerationConfig) -> tuple[dict, dict]:
         "do_sample": bool(config.do_sample),
     }
     known = generation_config_keys()
+    defaults = GenerationConfig._get_default_generation_params()  # what `generate` uses for unset keys: no-ops
     extra = {
         k: v
         for k, v in config.to_diff_dict().items()
-        if k in known and k not in COMMON_KEYS and k not in RESERVED_KEYS
+        if k in known and k not in COMMON_KEYS and k not in RESERVED_KEYS and not (k in defaults and defaults[k] == v)
     }
     return common, extra
 
