@@ -70,3 +70,18 @@ def test_generation_config_reaches_the_engine(tmp_path, tokenizer, dataset):
     expected = {"typical_p": 0.9, "suppress_tokens": [3], "no_repeat_ngram_size": 3}
     assert {k: params.generation_kwargs.get(k) for k in expected} == expected  # (neutral keys such as pad too)
     assert params.eos_token_ids[: len(trainer.eos_token_ids)] == trainer.eos_token_ids
+
+
+def test_sharded_forwards_fall_back_to_trl_generation():
+    """FSDP (and ZeRO-3 without gathering) all-gather inside every forward: ranks would need equal step counts."""
+    from types import SimpleNamespace
+
+    from trl_infinite.trainer.generation import engine_fallback_reasons
+
+    model = tiny_model("qwen3")
+    plain = SimpleNamespace(is_fsdp=False, is_zero3=False)
+    assert engine_fallback_reasons(model, None, plain) == []
+    assert engine_fallback_reasons(model, None, SimpleNamespace(is_fsdp=False, is_zero3=True), ds3_gather=True) == []
+    (fsdp,) = engine_fallback_reasons(model, None, SimpleNamespace(is_fsdp=True, is_zero3=False))
+    (zero3,) = engine_fallback_reasons(model, None, SimpleNamespace(is_fsdp=False, is_zero3=True), ds3_gather=False)
+    assert "FSDP" in fsdp and "ds3_gather_for_generation=False" in zero3

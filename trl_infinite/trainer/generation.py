@@ -36,9 +36,22 @@ def engine_sampling_params(
     )
 
 
-def engine_fallback_reasons(model: torch.nn.Module, generation_config: GenerationConfig | None) -> list[str]:
-    """Why the engine cannot run this trainer's rollouts exactly (empty: it can)."""
+_COLLECTIVE_FORWARD = (
+    "every forward of the model all-gathers parameters (collective), so all processes would have to run the same "
+    "number of decode steps, which the engine does not synchronise yet (`generate` does, with `synced_gpus`)"
+)
+
+
+def engine_fallback_reasons(
+    model: torch.nn.Module, generation_config: GenerationConfig | None, dist=None, ds3_gather: bool = True
+) -> list[str]:
+    """Why the engine cannot run this trainer's rollouts exactly (empty: it can). `dist` is TRL's
+    `DistributedBackend` (`is_fsdp`, `is_zero3`); `ds3_gather` is `args.ds3_gather_for_generation`."""
     reasons = []
+    if dist is not None and dist.is_fsdp:
+        reasons.append(f"FSDP keeps the parameters sharded during the rollout: {_COLLECTIVE_FORWARD}")
+    elif dist is not None and dist.is_zero3 and not ds3_gather:
+        reasons.append(f"ZeRO-3 with `ds3_gather_for_generation=False`: {_COLLECTIVE_FORWARD}")
     if generation_config is not None:
         bad = unsupported_generation_keys(effective_generation_config(model, generation_config))
         if bad:

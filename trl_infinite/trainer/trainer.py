@@ -56,7 +56,9 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         self._batch_prompts: list | None = None
         self.engine_fallback_reasons: list[str] = []
         if not (self.use_vllm or self.use_transformers_continuous_batching):
-            self.engine_fallback_reasons = engine_fallback_reasons(self.model, self.generation_config)
+            self.engine_fallback_reasons = engine_fallback_reasons(
+                self.model, self.generation_config, self._dist, self.args.ds3_gather_for_generation
+            )
         if self.engine_fallback_reasons:
             warnings.warn(
                 "InfiniteGRPOTrainer generates with TRL's own path (transformers `generate`) instead of the rollout "
