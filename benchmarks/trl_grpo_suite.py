@@ -5,8 +5,9 @@
 The argument is TRL's `tests/` folder (or its `test_grpo_trainer.py`) from a TRL checkout; nothing of it is copied
 into this repository. The Hub is offline, so the harness builds tiny stand-ins under `DIR/standins` (default
 `/tmp/trl_grpo_suite`) with the ids the tests load: random-weight models of the same architectures
-(`trl-internal-testing/tiny-<Class>`), each with a byte-level tokenizer carrying the real chat template TRL ships for
-that family, and the `trl-internal-testing/zen` dataset (the Zen of Python as prompts). pytest runs from that folder,
+(`trl-internal-testing/tiny-<Class>`), each with a byte-level tokenizer (a 32k vocabulary, so a random model rarely
+samples EOS) carrying the real chat template TRL ships for that family, and the `trl-internal-testing/zen` dataset
+(the Zen of Python as prompts). pytest runs from that folder,
 so `from_pretrained("trl-internal-testing/...")` / `load_dataset(...)` read the local folders.
 
 Both runs are the same pytest invocation (same stand-ins, same skips); the second one has this module as a plugin
@@ -69,19 +70,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 # ------------------------------------------------------------------------------------------------------- stand-ins
 
-ZEN = [
-    "Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
-    "Complex is better than complicated.", "Flat is better than nested.", "Sparse is better than dense.",
-    "Readability counts.", "Special cases aren't special enough to break the rules.",
-    "Although practicality beats purity.", "Errors should never pass silently.", "Unless explicitly silenced.",
-    "In the face of ambiguity, refuse the temptation to guess.",
-    "There should be one-- and preferably only one --obvious way to do it.",
-    "Although that way may not be obvious at first unless you're Dutch.", "Now is better than never.",
-    "Although never is often better than *right* now.",
-    "If the implementation is hard to explain, it's a bad idea.",
-    "If the implementation is easy to explain, it may be a good idea.",
-    "Namespaces are one honking great idea -- let's do more of those!",
+# the prompts of `trl-internal-testing/zen` (`standard_prompt_only`): opening words of the Zen of Python's lines
+ZEN_PROMPTS = [
+    "Beautiful is better than", "Explicit is", "Simple is better", "Complex", "Flat is better than",
+    "Sparse is better", "Readability", "Special cases aren't special", "Although practicality beats",
+    "Errors should never", "Unless explicitly", "In the face of ambiguity, refuse", "There should be one-- and",
+    "Although that way may not be obvious at first unless", "Now is", "Although never is often better than",
+    "If the implementation is hard to explain,", "If the implementation is easy to explain, it may",
+    "Namespaces are one honking great idea --",
 ]
+UNUSED_TOKENS = 32000  # a real-sized vocabulary: a random model then rarely samples EOS, like TRL's tiny models
 SMALL = dict(vocab_size=None, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -126,7 +124,8 @@ def _tokenizer(template_name: str | None, eos: str, bos: str | None, pad: str):
         "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
     )
     specials = sorted(set(_SPECIAL.findall(template)) | {eos, pad} | ({bos} if bos else set()))
-    tok = byte_tokenizer(template, special_tokens=tuple(specials), eos_token=eos, pad_token=pad)
+    tok = byte_tokenizer(template, special_tokens=tuple(specials), eos_token=eos, pad_token=pad,
+                         unused_tokens=UNUSED_TOKENS)
     if bos:
         tok.bos_token = bos
     return tok
@@ -168,12 +167,11 @@ def build_standins(root: Path) -> dict[str, str]:
 
 
 def _write_zen(folder: Path) -> None:
-    """`trl-internal-testing/zen` configs `standard_prompt_only` and `conversational_prompt_only` (train 17, test 2):
-    the first words of each aphorism as the prompt, like TRL's dataset."""
+    """`trl-internal-testing/zen` configs `standard_prompt_only` and `conversational_prompt_only` (train 17, test 2),
+    the opening words of the Zen of Python's lines as prompts, like TRL's dataset."""
     if (folder / "README.md").exists():
         return
-    rows = [" ".join(line.split()[: max(2, len(line.split()) // 2)]) for line in ZEN]
-    splits = {"train": rows[:17], "test": rows[17:]}
+    splits = {"train": ZEN_PROMPTS[:17], "test": ZEN_PROMPTS[17:]}
     configs = {
         "standard_prompt_only": lambda p: {"prompt": p},
         "conversational_prompt_only": lambda p: {"prompt": [{"role": "user", "content": f"What is better? {p}"}]},
