@@ -21,7 +21,11 @@ def force_script(model, prompt_len: int, script: list[int], after: int) -> None:
     `after` beyond the script: the model 'calls the tool', then ends every later turn at once."""
 
     def capture(module, args, kwargs):
-        module._positions = (kwargs.get("position_ids"), kwargs.get("logits_to_keep", 0))
+        positions = kwargs.get("position_ids")
+        if positions is None:  # a plain forward (the engine's exactness check): positions 0 .. T-1
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        module._positions = (positions, kwargs.get("logits_to_keep", 0))
 
     def bias(module, args, kwargs, output):
         if module.training:
