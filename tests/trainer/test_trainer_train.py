@@ -115,3 +115,12 @@ def test_rows_keep_trl_order_and_eos_cut(tmp_path, tokenizer, dataset):
         assert ids == reference_greedy(model, row, 10, trainer.eos_token_ids)
     assert [len(lp) for lp in logprobs] == [len(c) for c in completions]
     assert all(lp <= 0 for lps in logprobs for lp in lps)
+
+
+def test_bf16_autocast_trains_through_the_engine(tmp_path, tokenizer, dataset):
+    """TRL's default `bf16=True`: accelerate runs every forward (the engine's too) under bf16 autocast, where K and V
+    can come in different dtypes than the float32 pool."""
+    trainer = make_trainer(tmp_path, tokenizer, dataset, bf16=True, rollout_max_active_sequences=2)
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert "rollout/decode_steps" in log and torch.isfinite(torch.tensor(log["loss"]))
