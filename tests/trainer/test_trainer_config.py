@@ -7,6 +7,7 @@ from conftest import cpu_args
 
 from trl_infinite.engine import EngineConfig
 from trl_infinite.trainer import InfiniteGRPOConfig, engine_config_from_args
+from trl_infinite.trainer.config import TRAINER_ONLY
 
 
 def test_rollout_fields_map_to_engine_config_and_have_help(tmp_path):
@@ -15,7 +16,7 @@ def test_rollout_fields_map_to_engine_config_and_have_help(tmp_path):
     rollout = [f for f in fields(InfiniteGRPOConfig) if f.name.startswith("rollout_")]
     assert len(rollout) >= 6
     for f in rollout:
-        assert f.name[len("rollout_"):] in engine_fields, f.name
+        assert f.name in TRAINER_ONLY or f.name[len("rollout_"):] in engine_fields, f.name
         assert f.metadata.get("help"), f.name
     # defaults are the engine's own defaults
     assert engine_config_from_args(args) == EngineConfig()
@@ -43,7 +44,8 @@ def test_every_engine_setting_is_a_cli_flag():
     """Each `EngineConfig` field a user sets (not the CPU-only fallback) has its `rollout_` twin, parsed from argv."""
     from transformers import HfArgumentParser
 
-    rollout = {f.name[len("rollout_"):] for f in fields(InfiniteGRPOConfig) if f.name.startswith("rollout_")}
+    rollout = {f.name[len("rollout_"):] for f in fields(InfiniteGRPOConfig)
+               if f.name.startswith("rollout_") and f.name not in TRAINER_ONLY}
     assert {f.name for f in fields(EngineConfig)} - rollout == {"default_cpu_kv_tokens"}
     (args,) = HfArgumentParser(InfiniteGRPOConfig).parse_args_into_dataclasses(
         ["--output_dir", "/tmp/x", "--use_cpu", "--bf16", "False", "--rollout_scheduler", "sjf",
@@ -77,23 +79,12 @@ def test_every_engine_setting_is_a_cli_flag():
         ({"rollout_num_speculative_tokens": 0}, "rollout_num_speculative_tokens"),
         ({"rollout_speculative_method": "draft_model"}, "rollout_speculative_draft_model"),
         ({"rollout_speculative_adaptive": "yes"}, "rollout_speculative_adaptive"),
+        ({"rollout_reward_executor": "process"}, "rollout_reward_executor"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(tmp_path, overrides, field):
     with pytest.raises(ValueError, match=field):
         cpu_args(tmp_path, **overrides)
-
-
-def test_unsupported_generation_kwargs_are_refused(tmp_path, model, tokenizer, dataset):
-    from conftest import token_sum_reward
-
-    from trl_infinite.trainer import InfiniteGRPOTrainer
-
-    args = cpu_args(tmp_path, generation_kwargs={"num_beams": 4})
-    with pytest.raises(ValueError, match="num_beams"):
-        InfiniteGRPOTrainer(
-            model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-        )
 
 
 def test_hybrid_model_is_refused_when_the_trainer_is_built(tmp_path, tokenizer, dataset):

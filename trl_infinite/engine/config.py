@@ -193,6 +193,10 @@ class SamplingParams:
 
     `temperature == 0` or `do_sample=False` means greedy decoding. `top_k=0`, `top_p=1`, `min_p=0` and
     `repetition_penalty=1` disable those processors. `seed` makes sampling reproducible per (prompt, sample).
+    `generation_kwargs` takes any other `GenerationConfig` key (`no_repeat_ngram_size`, `bad_words_ids`,
+    `suppress_tokens`, `min_new_tokens`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`, `top_h`, ...), applied through
+    the logits processors `generate` builds (see `engine/logits.py`); keys that need another decoding algorithm
+    (`num_beams > 1`, assisted decoding, ...) raise `ValueError`.
     """
 
     max_new_tokens: int | None = 256
@@ -204,6 +208,7 @@ class SamplingParams:
     do_sample: bool = True
     eos_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
+    generation_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, allow_none=True)
@@ -222,6 +227,30 @@ class SamplingParams:
                              "Set `max_new_tokens` to a positive integer or give at least one EOS id.")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}.")
+        self._check_generation_kwargs()
+
+    def _check_generation_kwargs(self) -> None:
+        from .logits import (
+            COMMON_KEYS,
+            RESERVED_KEYS,
+            generation_config_keys,
+            generation_config_of,
+            unsupported_generation_keys,
+        )
+
+        if not isinstance(self.generation_kwargs, dict):
+            raise ValueError(f"`generation_kwargs` must be a dict, got {type(self.generation_kwargs).__name__}.")
+        fields_ = sorted(k for k in self.generation_kwargs if k in COMMON_KEYS or k in RESERVED_KEYS)
+        if fields_:
+            raise ValueError(f"`generation_kwargs` keys {fields_} are `SamplingParams` fields: set the fields instead "
+                             "(`eos_token_ids` for `eos_token_id`, `max_new_tokens` for `max_length`).")
+        unknown = sorted(set(self.generation_kwargs) - generation_config_keys())
+        if unknown:
+            raise ValueError(f"`generation_kwargs` keys {unknown} are not `transformers.GenerationConfig` keys.")
+        bad = unsupported_generation_keys(generation_config_of(self))
+        if bad:
+            raise ValueError(f"`generation_kwargs` keys {bad} need a decoding algorithm other than sampling or greedy "
+                             "search (or change what `generate` returns); the rollout engine cannot run them.")
 
     @property
     def greedy(self) -> bool:

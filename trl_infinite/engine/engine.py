@@ -13,6 +13,7 @@ from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
 from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
+from .logits import GenerationProcessors
 from .loop import StepTimer, drive
 from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
@@ -158,15 +159,18 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ helpers
     def _executor(self, policy, sampling: SamplingParams, stats: RolloutStats, groups: list[Group], max_new: int):
-        sampler = Sampler(sampling)
+        processors = GenerationProcessors(self.model, sampling, self.device) if sampling.generation_kwargs else None
+        sampler = Sampler(sampling, processors)
         uses = getattr(policy, "predictor", None) is self.predictor and self.predictor.wants_hidden
         prefix = PrefixCapture(self.predictor.prefix_k) if uses else None
-        bs = self.config.block_size
-        capacity = self.config.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
-        self.decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
-                           prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
-                           own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None)
-        ctx = StepContext(self.runner, sampler, sampling.seed, stats, self.config.max_prefill_tokens, self.decoder)
+        decoder = None  # extra processors run eagerly, row by row: the static step runs the built-in ones only
+        if not sampler.has_extra_processors:
+            bs, decoder = self.config.block_size, self.decoder
+            capacity = self.config.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
+            decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
+                          prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
+                          own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None)
+        ctx = StepContext(self.runner, sampler, sampling.seed, stats, self.config.max_prefill_tokens, decoder)
         spec = self.speculator.begin(ctx, sampling) if self.speculator is not None else None
         return ModelExecutor(ctx, prefix, spec)
 

@@ -4,8 +4,9 @@ Per `ScheduledBatch`:
 1. divided rollout's host tier: KV of parked samples copied out, returning samples' KV copied back in;
 2. prefill of the batch's prompts and recomputes (eager, chunked to `max_prefill_tokens`); the last position of
    each prompt gives the first token of every one of its samples that has none (all G at once);
-3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, or the
-   speculative step (drafts + one verification forward) when speculation is on.
+3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, the
+   speculative step (drafts + one verification forward) when speculation is on, or an eager forward when the
+   sampler runs extra `GenerationConfig` processors (`decoder` is then None).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seen_mask
 from .scheduler import ScheduledBatch, StepOutput
 from .sequence import Group, Sequence
-from .static_decode import StaticDecoder
+from .static_decode import Decoded, StaticDecoder
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class StepContext:
     seed: int
     stats: RolloutStats
     max_prefill_tokens: int
-    decoder: StaticDecoder  # the static decode step (its rows already set up for the call)
+    decoder: StaticDecoder | None  # the static decode step (rows set up for the call); None: extra processors
 
     @property
     def device(self) -> torch.device:
@@ -48,16 +49,19 @@ class StepContext:
                contexts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [N] and log-probs [N] drawn from `logits` [N, V] for `seqs` at `positions` (the emitted token's
         position); `contexts[i]` are the ids row i's context holds (needed by the repetition penalty)."""
-        seen = None
+        seen = history = None
         if self.sampler.uses_context:
-            rows = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
+            history = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
             for i, c in enumerate(contexts):
-                rows[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-            seen = seen_mask(rows.to(self.device), logits.shape[-1])
+                history[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            history = history.to(self.device)
+            if not self.sampler.has_extra_processors:
+                seen, history = seen_mask(history, logits.shape[-1]), None
         dev = self.device
         keys = row_keys(self.seed, torch.tensor([s.group_id for s in seqs], device=dev),
                         torch.tensor([s.sample_idx for s in seqs], device=dev), torch.tensor(positions, device=dev))
-        return self.sampler.sample(self.sampler.process(logits, seen), keys)
+        processed = self.sampler.process(logits, seen, history, [s.prompt_len for s in seqs])
+        return self.sampler.sample(processed, keys)
 
 
 class PrefixCapture:
@@ -96,7 +100,11 @@ class ModelExecutor:
         if self.spec is not None:
             out.tokens, out.logprobs = self.spec.run(batch)
             return lambda: out
-        finish = self.ctx.decoder.launch(batch, self.ctx.stats)
+        if self.ctx.decoder is None:  # extra processors: eager
+            decoded = self._eager_decode(batch.decode)
+            finish = lambda: decoded  # noqa: E731
+        else:
+            finish = self.ctx.decoder.launch(batch, self.ctx.stats)
 
         def complete() -> StepOutput:
             decoded = finish()
@@ -114,6 +122,18 @@ class ModelExecutor:
             self.spec.after_step(batch)
 
     # ------------------------------------------------------------------ pieces
+    def _eager_decode(self, seqs: list[Sequence]) -> Decoded:
+        """One eager decode forward (each row's input: its last output token at position `num_tokens - 1`), sampled
+        with the sampler's extra processors on each row's full context. Same outputs as `StaticDecoder.launch`'s."""
+        segments = [Segment(s.prompt_len, s.group.prompt_blocks, s.blocks, s.num_tokens - 1, [s.output_ids[-1]],
+                            s.group_id) for s in seqs]
+        want_hidden = self.prefix is not None and bool(self.prefix.wanted(seqs))
+        logits, hidden = self.ctx.runner.forward(segments, torch.arange(len(seqs)), output_hidden=want_hidden)
+        contexts = [s.group.prompt_ids + s.output_ids for s in seqs]
+        tokens, logprobs = self.ctx.sample(logits, seqs, [s.num_tokens for s in seqs], contexts)
+        host = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        return Decoded([int(t) for t in host[0]], host[1], hidden, list(range(len(seqs))))
+
     def _swap(self, batch: ScheduledBatch) -> None:
         """Divided rollout's host tier: copy parked samples' KV out (first), then returning ones back in."""
         for seq, blocks in batch.swap_out:

@@ -1,11 +1,12 @@
 """Token sampling with `transformers` generate semantics and counter-based randomness.
 
 Processing order is the one `GenerationMixin` uses: repetition penalty, then temperature, top-k, top-p, min-p (the
-warpers are transformers' own classes). A draw is an inverse-CDF lookup: with the row's cumulative probabilities
-`c_v = sum_{w <= v} p_w` and one uniform `U`, the token is the first `v` with `c_v > U * c_V`, an exact draw from
-`p` (zero-probability tokens are never hit: their `c_v` does not rise). It runs in two levels so that the whole
-row is read only twice (exp, then float64 block sums): the block is found on the cumulative block sums, the token
-on the cumulative sums inside that block; no host sync, static shapes.
+warpers are transformers' own classes); with any other `GenerationConfig` key in `SamplingParams.generation_kwargs`
+the whole processor list `generate` builds runs instead, row by row (`engine/logits.py`). A draw is an inverse-CDF
+lookup: with the row's cumulative probabilities `c_v = sum_{w <= v} p_w` and one uniform `U`, the token is the
+first `v` with `c_v > U * c_V`, an exact draw from `p` (zero-probability tokens are never hit: their `c_v` does not
+rise). It runs in two levels so that the whole row is read only twice (exp, then float64 block sums): the block is
+found on the cumulative block sums, the token on the cumulative sums inside that block; no host sync, static shapes.
 
 Every uniform is a pure function of (seed, prompt index, sample index, position, stream), a counter-based
 generator: the same seed gives the same sample whatever the batch composition, the sampling mode or the scheduler,
@@ -24,6 +25,7 @@ from transformers.generation.logits_process import (
 )
 
 from .config import SamplingParams
+from .logits import GenerationProcessors
 
 _MASK = (1 << 64) - 1
 
@@ -132,10 +134,17 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 class Sampler:
-    """Processes logits and samples one token per row with the call's `SamplingParams`."""
+    """Processes logits and samples one token per row with the call's `SamplingParams`.
 
-    def __init__(self, params: SamplingParams):
+    `processors` (built by the engine, which has the model) carries `generate`'s processor list when
+    `params.generation_kwargs` asks for more than the common keys; it is used only when `active`, and then
+    `has_extra_processors` is True: processing runs eagerly, row by row, on each row's context (`history`,
+    `prompt_lens`), and the static decode path is not used.
+    """
+
+    def __init__(self, params: SamplingParams, processors: GenerationProcessors | None = None):
         self.params = params
+        self.processors = processors if processors is not None and processors.active else None
         warpers = []
         if not params.greedy:
             if params.temperature != 1.0:
@@ -152,18 +161,31 @@ class Sampler:
     def params_key(self) -> tuple:
         """What processing and sampling depend on (not the seed, EOS ids or lengths): static decode is keyed on it."""
         p = self.params
-        return (p.greedy, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+        return (p.greedy, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                repr(sorted(p.generation_kwargs.items())), self.processors is not None)
+
+    @property
+    def has_extra_processors(self) -> bool:
+        """True when processors beyond the built-in fast path run (eager, row by row; no static decode)."""
+        return self.processors is not None
 
     @property
     def uses_context(self) -> bool:
-        """Whether processing needs the ids already in each row's context (the repetition penalty)."""
-        return self.params.repetition_penalty != 1.0
+        """Whether processing needs the ids already in each row's context (the repetition penalty, or any extra
+        processor)."""
+        return self.processors is not None or self.params.repetition_penalty != 1.0
 
-    def process(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seen: torch.Tensor | None = None, history: torch.Tensor | None = None,
+                prompt_lens: list[int] | None = None) -> torch.Tensor:
         """[N, V] raw logits -> [N, V] float32 log-probabilities of the distribution actually sampled from.
         `seen` [N, V] bool marks the ids in each row's context, for the repetition penalty (`uses_context`); a
-        drafter, whose distribution only has to be known, may leave it out."""
+        drafter, whose distribution only has to be known, may leave it out. With extra processors, `history`
+        [N, L] (each row's context, -1 padded) and `prompt_lens` [N] are needed instead."""
         scores = logits.float()
+        if self.processors is not None:
+            if history is None or prompt_lens is None:
+                raise ValueError("`history` and `prompt_lens` are needed with extra logits processors.")
+            return torch.log_softmax(self.processors(scores, history, prompt_lens), dim=-1)
         if self.uses_context and seen is not None:
             scores = apply_repetition_penalty(scores, seen, self.params.repetition_penalty)
         scores = self.warpers(None, scores)

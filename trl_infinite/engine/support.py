@@ -102,6 +102,10 @@ def probe_length(model: torch.nn.Module) -> int:
 
 # ---------------------------------------------------------------------------------------------------- 1. structure
 def check_structure(model: torch.nn.Module) -> None:
+    peft_config = getattr(model, "active_peft_config", None)
+    if getattr(peft_config, "is_prompt_learning", False):
+        kind = getattr(peft_config.peft_type, "value", peft_config.peft_type)
+        raise refusal(model, f"PEFT prompt learning ({kind}) prepends virtual tokens the engine does not run")
     cfg = text_config(model)
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):

@@ -74,12 +74,13 @@ class SpeculativeStep:
                 self.known[s.seq_id] = s.num_generated
         proposals = self._draft(seqs, batch.lookahead)
         drafts = [p.tokens for p in proposals]
-        if not any(drafts):  # nothing to verify: the plain static step (captured / compiled where enabled)
+        if not any(drafts) and self.ctx.decoder is not None:  # nothing to verify: the plain static step
             t0 = time.perf_counter()
             decoded = self.ctx.decoder.launch(batch, self.ctx.stats)()
             self._observe(seqs, drafts, [0] * len(seqs), time.perf_counter() - t0)
             return [[t] for t in decoded.tokens], [[lp] for lp in decoded.logprobs]
-        self.ctx.decoder.invalidate()  # this step appends tokens the static rows do not see: rebuild them next time
+        if self.ctx.decoder is not None:  # this step appends tokens the static rows do not see: rebuild them next
+            self.ctx.decoder.invalidate()
         start = [s.num_tokens - 1 for s in seqs]
         segments = [self._segment(s, [s.output_ids[-1]] + d, pos) for s, d, pos in zip(seqs, drafts, start)]
         t0 = time.perf_counter()
@@ -126,8 +127,13 @@ class SpeculativeStep:
         k = max(len(d) for d in drafts)
         lens = torch.tensor([len(d) for d in drafts], device=device)
         sampler = self.ctx.sampler
-        seen = seen_mask(_history_rows(seqs, drafts).to(device), logits.shape[-1]) if sampler.uses_context else None
-        p_flat = sampler.process(logits, seen)  # [T, V]
+        seen = history = None
+        if sampler.uses_context:
+            history = _history_rows(seqs, drafts).to(device)  # [T, L]
+            if not sampler.has_extra_processors:
+                seen, history = seen_mask(history, logits.shape[-1]), None
+        prompt_lens = [s.prompt_len for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]  # [T]
+        p_flat = sampler.process(logits, seen, history, prompt_lens)  # [T, V]
         offsets = torch.tensor([0] + [len(d) + 1 for d in drafts][:-1], device=device).cumsum(0)
         cols = torch.arange(k + 1, device=device)
         idx = offsets[:, None] + torch.minimum(cols[None, :], lens[:, None])  # [N, K+1] (padding repeats the last)

@@ -1,7 +1,17 @@
-"""TRL integration: `InfiniteGRPOConfig` and `InfiniteGRPOTrainer` (importing this pulls in `trl`)."""
+"""TRL integration: `InfiniteGRPOConfig` and `InfiniteGRPOTrainer` (importing this pulls in `trl`).
 
-from .config import InfiniteGRPOConfig, engine_config_from_args
-from .streaming import RewardFunctionError
-from .trainer import InfiniteGRPOTrainer
+Importing checks that the installed TRL's `GRPOTrainer` hooks have the signatures this package overrides
+(`compat.SUPPORTED_TRL`), and raises `ImportError` naming the supported range otherwise.
+"""
 
-__all__ = ["InfiniteGRPOConfig", "InfiniteGRPOTrainer", "RewardFunctionError", "engine_config_from_args"]
+from .compat import SUPPORTED_TRL, check_trl_hooks
+
+check_trl_hooks()
+
+from .config import InfiniteGRPOConfig, engine_config_from_args  # noqa: E402
+from .streaming import RewardFunctionError  # noqa: E402
+from .trainer import InfiniteGRPOTrainer  # noqa: E402
+
+__all__ = [
+    "SUPPORTED_TRL", "InfiniteGRPOConfig", "InfiniteGRPOTrainer", "RewardFunctionError", "engine_config_from_args",
+]

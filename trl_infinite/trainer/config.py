@@ -13,8 +13,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from trl import GRPOConfig
 
 from ..engine.config import ATTENTION_BACKENDS, SAMPLING_MODES, EngineConfig
+from .streaming import REWARD_EXECUTORS
 
 PREFIX = "rollout_"
+TRAINER_ONLY = ("rollout_reward_executor",)  # `rollout_*` fields of the trainer itself, not of `EngineConfig`
 
 
 def _default(name: str):
@@ -148,14 +150,28 @@ class InfiniteGRPOConfig(GRPOConfig):
         },
     )
 
+    rollout_reward_executor: str = field(
+        default="main_thread",
+        metadata={
+            "help": f"Where streamed reward functions run: one of {list(REWARD_EXECUTORS)}. `main_thread`: between "
+            "decode steps on the training thread (like `GRPOTrainer`: `signal.alarm` timeouts work). `thread`: on "
+            "one background thread, overlapping the decode steps on CPU too; reward functions then must not use "
+            "signals (TRL's `accuracy_reward` silently disables its timeout there) and must be thread-safe."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.rollout_reward_executor not in REWARD_EXECUTORS:
+            raise ValueError(
+                f"`rollout_reward_executor` must be one of {list(REWARD_EXECUTORS)}, got {self.rollout_reward_executor!r}."
+            )
         engine_config_from_args(self)  # validates; raises naming the `rollout_` field
 
 
 def rollout_field_names(args) -> list[str]:
-    """Names of the `rollout_*` fields of a config (subclasses may add more)."""
-    return [f.name for f in fields(args) if f.name.startswith(PREFIX)]
+    """Names of the engine's `rollout_*` fields of a config (subclasses may add more)."""
+    return [f.name for f in fields(args) if f.name.startswith(PREFIX) and f.name not in TRAINER_ONLY]
 
 
 def engine_config_from_args(args) -> EngineConfig:

@@ -13,19 +13,6 @@ from dataclasses import dataclass
 
 from ..engine import RolloutEngine, RolloutStats, SamplingParams
 
-# generation_kwargs keys the engine honours (anything else would silently change nothing, so it is refused)
-_SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "do_sample": "do_sample",
-    "max_new_tokens": "max_new_tokens",
-}
-# keys with no effect on sampled tokens
-_NEUTRAL_KEYS = {"pad_token_id", "bos_token_id", "eos_token_id", "cache_implementation", "disable_compile"}
-
 
 @dataclass
 class PromptRun:
@@ -44,43 +31,6 @@ def prompt_runs(prompt_ids: list[list[int]]) -> list[PromptRun]:
         else:
             runs.append(PromptRun(i, 1))
     return runs
-
-
-def sampling_params(args, eos_token_ids: list[int], generation_kwargs: dict | None, seed: int) -> SamplingParams:
-    """TRL's generation settings (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
-    `max_completion_length`, eos ids and the supported `generation_kwargs`) as engine `SamplingParams`."""
-    kw = dict(
-        max_new_tokens=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k or 0,
-        min_p=args.min_p or 0.0,
-        repetition_penalty=args.repetition_penalty,
-        do_sample=True,
-    )
-    for key, value in (generation_kwargs or {}).items():
-        if key in _SAMPLING_KEYS:
-            kw[_SAMPLING_KEYS[key]] = value
-        elif key not in _NEUTRAL_KEYS:
-            raise ValueError(unsupported_generation_kwargs([key]))
-    if kw["top_k"] is None:
-        kw["top_k"] = 0
-    if kw["min_p"] is None:
-        kw["min_p"] = 0.0
-    return SamplingParams(eos_token_ids=list(eos_token_ids), seed=seed, **kw)
-
-
-def unsupported_generation_kwargs(keys: list[str]) -> str:
-    return (
-        f"`generation_kwargs` keys {sorted(keys)} are not supported by the rollout engine (supported: "
-        f"{sorted(_SAMPLING_KEYS)}). Remove them, or set `use_vllm=True` to generate with vLLM instead."
-    )
-
-
-def check_generation_kwargs(generation_kwargs: dict | None) -> None:
-    bad = [k for k in (generation_kwargs or {}) if k not in _SAMPLING_KEYS and k not in _NEUTRAL_KEYS]
-    if bad:
-        raise ValueError(unsupported_generation_kwargs(bad))
 
 
 def rollout_seed(base_seed: int, process_index: int, call_index: int) -> int:

@@ -1,19 +1,17 @@
-"""Scores any subset of a batch's rows with the trainer's reward functions (TRL's `_calculate_rewards` without the
-cross-process gather, so it can run on a worker thread, chunk by chunk)."""
+"""Scores some rows of a batch with the trainer's reward functions, called exactly as TRL's `_calculate_rewards`
+calls them (same keyword arguments, dataset columns, `trainer_state`, `log_extra`, `log_metric`, `environments`;
+async functions gathered on TRL's event loop), only on fewer rows."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 
-import torch
-from torch import nn
-from transformers import Trainer
-from trl.data_utils import apply_chat_template, is_conversational
 from trl.extras.profiling import profiling_context
-from trl.trainer.utils import is_async_callable
 
-from .streaming import RewardFunctionError
+from .cached_rewards import streamed_funcs
+from .streaming import ChunkScores, RewardFunctionError
 
 _RESERVED = ("prompt", "completion", "completion_ids")
 
@@ -28,95 +26,102 @@ def prompt_index_of_rows(prompts: list) -> list[int]:
     return out
 
 
-class BatchScorer:
-    """Rewards of chosen rows of one batch: `score(rows) -> (rewards [len(rows), F] float32, log_extra columns)`."""
+class ChunkScorer:
+    """`score(rows, completion_ids) -> ChunkScores` for the streamed (non-model) reward functions of a trainer.
 
-    def __init__(self, trainer, inputs: list[dict], prompts: list, decode):
+    `decode(row, ids)` turns completion ids into what TRL passes as `completions` (text or messages)."""
+
+    def __init__(self, trainer, inputs: list[dict], prompts: list, decode: Callable[[int, list[int]], object]):
         self.trainer, self.inputs, self.prompts, self.decode = trainer, inputs, prompts, decode
+        self.funcs = streamed_funcs(trainer.reward_funcs)
+        self.names = trainer.reward_func_names
         self.prompt_of_row = prompt_index_of_rows(prompts)
-        self.completion_ids: dict[int, list[int]] = {}  # filled by the caller before scoring
-        self.completions: dict[int, object] = {}
 
-    def score(self, rows: list[int]) -> tuple[torch.Tensor, dict[str, list]]:
-        t = self.trainer
-        for r in rows:
-            if r not in self.completions:
-                self.completions[r] = self.decode(r, self.completion_ids[r])
-        out = torch.full((len(rows), len(t.reward_funcs)), float("nan"))  # [n, F]
-        extra: dict[str, list] = defaultdict(lambda: [None] * len(rows))
-        for f, (func, proc, name) in enumerate(zip(t.reward_funcs, t.reward_processing_classes, t.reward_func_names)):
-            try:
-                values = self._call(func, proc, name, rows, extra)
-            except RewardFunctionError:
-                raise
-            except Exception as err:
-                raise self._pinpoint(func, proc, name, rows, err) from err
-            out[:, f] = torch.tensor(values, dtype=torch.float32)
-        return out, dict(extra)
+    def score(self, rows: list[int], completion_ids: list[list[int]]) -> ChunkScores:
+        completions = [self.decode(r, ids) for r, ids in zip(rows, completion_ids)]
+        out = ChunkScores(values={})
+        pending = []
+        for f, func, is_async in self.funcs:
+            extra: dict[str, list] = {}
+            kwargs = self._kwargs(rows, completions, completion_ids, extra)
+            if is_async:
+                pending.append((f, func, kwargs, extra))
+                continue
+            out.values[f] = self._checked(f, rows, self._guarded(f, func, rows, completions, completion_ids, kwargs))
+            out.extra[f] = extra
+        if pending:  # like TRL: every async function of the chunk runs concurrently on the trainer's event loop
+            results = self._run_async(pending, rows, completions, completion_ids)
+            for (f, _, _, extra), values in zip(pending, results):
+                out.values[f] = self._checked(f, rows, values)
+                out.extra[f] = extra
+        return out
 
-    # -- one reward function on some rows
-    def _call(self, func, proc, name: str, rows: list[int], extra: dict | None) -> list[float]:
-        t = self.trainer
-        prompts = [self.prompts[r] for r in rows]
-        completions = [self.completions[r] for r in rows]
-        if isinstance(func, nn.Module):
-            return self._call_model(func, proc, name, prompts, completions)
-        kwargs = self._kwargs(rows, extra)
-        ids = [self.completion_ids[r] for r in rows]
-        with profiling_context(t, name):
-            if is_async_callable(func):
-                coro = func(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
-                values = asyncio.run_coroutine_threadsafe(coro, t.async_loop).result()
-            else:
-                values = func(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
-        values = [float("nan") if v is None else float(v) for v in values]
-        if len(values) != len(rows):
-            raise ValueError(
-                f"The reward function '{name}' returned {len(values)} rewards, but {len(rows)} were expected (one per "
-                "prompt-completion pair)."
-            )
-        return values
-
-    def _kwargs(self, rows: list[int], extra: dict | None) -> dict:
+    # -- one function on some rows
+    def _kwargs(self, rows: list[int], completions: list, completion_ids: list, extra: dict[str, list]) -> dict:
         t = self.trainer
         keys = [k for k in self.inputs[0] if k not in _RESERVED]
         kwargs = {k: [self.inputs[r][k] for r in rows] for k in keys}
+        kwargs["prompts"] = [self.prompts[r] for r in rows]
+        kwargs["completions"] = completions
+        kwargs["completion_ids"] = completion_ids
         kwargs["trainer_state"] = t.state
-        kwargs["log_metric"] = t._log_metric
 
-        def log_extra(column: str, values: list) -> None:  # one value per row of this call, kept in row order
-            if extra is not None:
-                for i, v in enumerate(values):
-                    extra[column][i] = v
+        def log_extra(column: str, values: list) -> None:  # kept per row, replayed in row order by TRL's call
+            extra[column] = list(values)
 
         kwargs["log_extra"] = log_extra
+        kwargs["log_metric"] = t._log_metric
         if getattr(t, "environments", None) is not None:
             kwargs["environments"] = [t.environments[r] for r in rows]
         return kwargs
 
-    def _call_model(self, func, proc, name: str, prompts: list, completions: list) -> list[float]:
-        t = self.trainer
-        with profiling_context(t, name):
-            if is_conversational({"prompt": prompts[0]}):
-                msgs = [{"messages": p + c} for p, c in zip(prompts, completions)]
-                texts = [apply_chat_template(x, proc, **t.chat_template_kwargs)["text"] for x in msgs]
-            else:
-                texts = [p + c for p, c in zip(prompts, completions)]
-            enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
-            enc = Trainer._prepare_inputs(t, enc)
-            with torch.inference_mode():
-                return func(**enc).logits[:, 0].float().cpu().tolist()
+    def _guarded(self, f: int, func, rows, completions, completion_ids, kwargs) -> list:
+        try:
+            with profiling_context(self.trainer, self.names[f]):
+                return func(**kwargs)
+        except Exception as err:
+            raise self._pinpoint(f, func, rows, completions, completion_ids, err) from err
 
-    def _pinpoint(self, func, proc, name: str, rows: list[int], err: BaseException) -> RewardFunctionError:
+    def _run_async(self, pending: list, rows, completions, completion_ids) -> list[list]:
+        async def one(f, func, kwargs):
+            with profiling_context(self.trainer, self.names[f]):
+                return await func(**kwargs)
+
+        async def gather():
+            return await asyncio.gather(*(one(f, func, kw) for f, func, kw, _ in pending), return_exceptions=True)
+
+        results = asyncio.run_coroutine_threadsafe(gather(), self.trainer.async_loop).result()
+        for (f, func, _, _), result in zip(pending, results):
+            if isinstance(result, BaseException):
+                raise self._pinpoint(f, func, rows, completions, completion_ids, result) from result
+        return results
+
+    def _checked(self, f: int, rows: list[int], values) -> list:
+        """The function's values as returned (TRL turns None into NaN), after TRL's length check."""
+        values = list(values)
+        if len(values) != len(rows):
+            raise ValueError(
+                f"The reward function '{self.names[f]}' returned {len(values)} rewards, but {len(rows)} were expected "
+                "(one per prompt-completion pair). Make sure the reward function returns exactly one reward per "
+                "completion."
+            )
+        return values
+
+    def _pinpoint(self, f: int, func, rows, completions, completion_ids, err: BaseException) -> RewardFunctionError:
         """Re-runs the failing function prompt by prompt to name the prompt that makes it raise."""
         groups: dict[int, list[int]] = defaultdict(list)
-        for r in rows:
-            groups[self.prompt_of_row[r]].append(r)
+        for k, r in enumerate(rows):
+            groups[self.prompt_of_row[r]].append(k)
         if len(groups) > 1:
-            for p, group_rows in groups.items():
+            for p, ks in groups.items():
+                sub_rows = [rows[k] for k in ks]
+                kwargs = self._kwargs(sub_rows, [completions[k] for k in ks], [completion_ids[k] for k in ks], {})
                 try:
-                    self._call(func, proc, name, group_rows, None)
+                    result = func(**kwargs)
+                    if asyncio.iscoroutine(result):
+                        asyncio.run_coroutine_threadsafe(result, self.trainer.async_loop).result()
                 except Exception as sub:  # noqa: BLE001 - reported below with its prompt
-                    return RewardFunctionError(name, p, group_rows, self.prompts[group_rows[0]], sub)
-        p, group_rows = next(iter(groups.items()))
-        return RewardFunctionError(name, p, group_rows, self.prompts[group_rows[0]], err)
+                    return RewardFunctionError(self.names[f], p, sub_rows, self.prompts[sub_rows[0]], sub)
+        p, ks = next(iter(groups.items()))
+        sub_rows = [rows[k] for k in ks]
+        return RewardFunctionError(self.names[f], p, sub_rows, self.prompts[sub_rows[0]], err)

@@ -1,9 +1,10 @@
-"""Streamed rewards: reward functions score completions while the engine keeps decoding (paper §3.4).
+"""Streamed reward scoring (paper §3.4): completions are scored in chunks while the rest of the batch decodes.
 
-As samples finish, the engine's `on_sample_finished` hook hands them to `StreamingRewards`; every `chunk_size` of
-them are scored in a worker thread (off the decode loop) and the per-completion rewards cached. The group-wide
-normalisation is TRL's own and runs once, after all G samples of every group are in (`_calculate_rewards` returns
-the cached matrix). A reward function that raises surfaces as `RewardFunctionError` naming the prompt.
+The engine calls `on_sample_finished` from its drive loop, between decode steps, on the calling thread; every
+`chunk_size` finished rows are scored right there (so `signal.alarm` timeouts and TRL's `accuracy_reward` work as
+they do in `GRPOTrainer`), or, with `rollout_reward_executor="thread"`, on one background thread. TRL's own
+`_calculate_rewards` then runs once on the whole batch and reads these cached values through `CachedRewardFunc`
+(see `cached_rewards.py`): its warnings, its cross-process gather and its group normalisation are unchanged.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-import torch
+REWARD_EXECUTORS = ("main_thread", "thread")
 
 
 class RewardFunctionError(RuntimeError):
@@ -29,25 +31,33 @@ class RewardFunctionError(RuntimeError):
         )
 
 
-# score(rows) -> (rewards [len(rows), F], {column: values} logged through `log_extra`)
-ScoreFn = Callable[[list[int]], tuple[torch.Tensor, dict[str, list]]]
+@dataclass
+class ChunkScores:
+    """What scoring some rows gave: per reward-function index, the function's values (one per row, as returned);
+    per function index and `log_extra` column, one value per row."""
+
+    values: dict[int, list]
+    extra: dict[int, dict[str, list]] = field(default_factory=dict)
+
+
+# score(rows, completion ids of those rows) -> ChunkScores
+ScoreFn = Callable[[list[int], list[list[int]]], ChunkScores]
 
 
 class StreamingRewards:
-    """Caches rewards of finished rows; scoring runs on one background thread, `chunk_size` rows at a time."""
+    """Cached rewards of one batch's rows, scored `chunk_size` rows at a time as they finish."""
 
-    def __init__(self, num_rows: int, num_funcs: int, score: ScoreFn, chunk_size: int, executor: ThreadPoolExecutor):
+    def __init__(self, num_rows: int, score: ScoreFn, chunk_size: int, executor: ThreadPoolExecutor | None = None):
         self.num_rows, self.score, self.chunk_size, self.executor = num_rows, score, max(1, chunk_size), executor
         self.completion_ids: list[list[int] | None] = [None] * num_rows
-        self.rewards = torch.full((num_rows, num_funcs), float("nan"))  # [N, F]
-        self.scored = torch.zeros(num_rows, dtype=torch.bool)
-        self.extra: dict[str, dict[int, object]] = defaultdict(dict)
+        self.values: dict[int, dict[int, object]] = defaultdict(dict)  # func index -> row -> value
+        self.extra: dict[int, dict[str, dict[int, object]]] = defaultdict(lambda: defaultdict(dict))
         self._pending: list[int] = []
         self._futures: list[Future] = []
         self._lock = threading.Lock()
 
     def add(self, row: int, completion_ids: list[int]) -> None:
-        """Called from the decode loop as each sample finishes; never blocks on scoring."""
+        """One finished row (called from the engine's drive loop); scores a chunk once `chunk_size` are waiting."""
         self._raise_failed()
         self.completion_ids[row] = list(completion_ids)
         self._pending.append(row)
@@ -55,17 +65,23 @@ class StreamingRewards:
             self.flush()
 
     def flush(self) -> None:
-        if self._pending:
-            rows, self._pending = self._pending, []
+        """Scores the waiting rows (in row order) now, or hands them to the background thread."""
+        if not self._pending:
+            return
+        rows, self._pending = sorted(self._pending), []
+        if self.executor is None:
+            self._score_chunk(rows)
+        else:
             self._futures.append(self.executor.submit(self._score_chunk, rows))
 
     def _score_chunk(self, rows: list[int]) -> None:
-        rewards, extra = self.score(rows)
+        scores = self.score(rows, [self.completion_ids[r] for r in rows])
         with self._lock:
-            self.rewards[rows] = rewards.to(self.rewards.dtype).cpu()
-            self.scored[rows] = True
-            for column, values in extra.items():
-                self.extra[column].update(zip(rows, values))
+            for f, values in scores.values.items():
+                self.values[f].update(zip(rows, values))
+            for f, columns in scores.extra.items():
+                for column, values in columns.items():
+                    self.extra[f][column].update(zip(rows, values))
 
     def _raise_failed(self) -> None:
         for f in self._futures:
@@ -73,15 +89,34 @@ class StreamingRewards:
                 raise f.exception()
 
     def wait(self) -> None:
-        """Scores what is still pending and waits for every chunk; re-raises the first reward error."""
+        """Scores what is still waiting and waits for every chunk; re-raises the first reward error."""
         self.flush()
         for f in self._futures:
             f.result()
 
-    def matches(self, completion_ids: list[list[int]]) -> list[bool]:
-        """Per row: was it scored on exactly these completion ids (tool calls may have extended it since)?"""
-        return [bool(self.scored[i]) and self.completion_ids[i] == list(ids) for i, ids in enumerate(completion_ids)]
+    def cached(self, func_index: int, completion_ids: list[list[int]]) -> tuple[list, dict[str, list]] | None:
+        """The values (and `log_extra` columns) of one function for every row, if every row was scored on exactly
+        these completion ids; None otherwise (the caller then scores the batch itself)."""
+        values = self.values.get(func_index)
+        if values is None or len(completion_ids) != self.num_rows or len(values) != self.num_rows:
+            return None
+        if any(self.completion_ids[i] != list(ids) for i, ids in enumerate(completion_ids)):
+            return None
+        extra = {c: [v.get(i) for i in range(self.num_rows)] for c, v in self.extra[func_index].items()}
+        return [values[i] for i in range(self.num_rows)], extra
 
-    def extra_columns(self, num_rows: int) -> dict[str, list]:
-        """`log_extra` columns in row order (None where a chunk did not log the column)."""
-        return {c: [vals.get(i) for i in range(num_rows)] for c, vals in self.extra.items()}
+
+class StreamSlot:
+    """The stream of the batch being generated (at most one at a time), shared with the cached reward functions."""
+
+    def __init__(self):
+        self._stream: StreamingRewards | None = None
+
+    def open(self, stream: StreamingRewards) -> None:
+        self._stream = stream
+
+    def close(self) -> None:
+        self._stream = None
+
+    def get(self) -> StreamingRewards | None:
+        return self._stream

@@ -3,12 +3,11 @@ rewards and length-bucketed micro batches for the backward pass. Everything else
 
 from __future__ import annotations
 
-import logging
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
-from accelerate.utils import gather
 from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
@@ -20,41 +19,60 @@ from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_b
 from ..engine import RolloutEngine
 from ..engine.support import check_structure
 from .backprop import make_micro_batches
+from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
-from .rollout import check_generation_kwargs, generate_rows, rollout_metrics, rollout_seed, sampling_params
-from .scoring import BatchScorer
-from .streaming import StreamingRewards
-
-logger = logging.getLogger(__name__)
+from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
+from .rollout import generate_rows, rollout_metrics, rollout_seed
+from .scoring import ChunkScorer
+from .streaming import StreamingRewards, StreamSlot
 
 
 class InfiniteGRPOTrainer(GRPOTrainer):
     """Drop-in `GRPOTrainer`: same arguments, same reward functions, PEFT, accelerate and logging.
 
     - Rollouts run on the trained weights (unwrapped like TRL does, no copy, no weight sync) through a
-      `RolloutEngine` whose KV pool is allocated once from the `rollout_*` budget of `InfiniteGRPOConfig`.
-    - Reward functions score completions on a worker thread as they finish; TRL's group normalisation runs once
-      all G are in.
+      `RolloutEngine` whose KV pool is allocated once from the `rollout_*` budget of `InfiniteGRPOConfig`, with the
+      `GenerationConfig` `generate` would use (every sampling key, through transformers' own logits processors).
+    - Reward functions score completions as they finish, between decode steps on the calling thread (or on a
+      background thread with `rollout_reward_executor="thread"`); TRL's own `_calculate_rewards` then reads them.
     - The backward pass runs on micro batches of similar-length completions, each padded to its own longest.
-    With `use_vllm=True` or `use_transformers_paged=True` generation is TRL's own (only the last two points remain).
+    With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...)
+    or PEFT prompt learning, generation is TRL's own (one warning says why); the last point still applies.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.engine_config = engine_config_from_args(self.args)
-        if self.uses_engine:
-            check_generation_kwargs(self.args.generation_kwargs)
-            check_structure(self.model)  # hybrids / SSMs refused now; the full contract runs when the engine is built
         self._engine: RolloutEngine | None = None
         self._rollout_calls = 0
-        self._reward_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards")
+        self._stream_slot = StreamSlot()
+        self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
+        executor = getattr(self.args, "rollout_reward_executor", "main_thread")
+        self._reward_executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards") if executor == "thread"
+            else None
+        )
         self._batch_inputs: list[dict] | None = None
         self._batch_prompts: list | None = None
-        self._stream: StreamingRewards | None = None
+        self.engine_fallback_reasons: list[str] = []
+        if not (self.use_vllm or self.use_transformers_continuous_batching):
+            self.engine_fallback_reasons = engine_fallback_reasons(
+                self.model, self.generation_config, self._dist, self.args.ds3_gather_for_generation
+            )
+        if self.engine_fallback_reasons:
+            warnings.warn(
+                "InfiniteGRPOTrainer generates with TRL's own path (transformers `generate`) instead of the rollout "
+                f"engine: {'; '.join(self.engine_fallback_reasons)}. Streamed rewards and length-bucketed micro "
+                "batches still apply.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self.uses_engine:
+            check_structure(self.model)  # hybrids / SSMs refused now; the full contract runs when the engine is built
 
     @property
     def uses_engine(self) -> bool:
-        return not (self.use_vllm or self.use_transformers_continuous_batching)
+        return not (self.use_vllm or self.use_transformers_continuous_batching or self.engine_fallback_reasons)
 
     # ------------------------------------------------------------------ generation
     def _generate_and_score_completions(self, inputs):
@@ -62,7 +80,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
-            self._batch_inputs = self._batch_prompts = self._stream = None
+            self._batch_inputs = self._batch_prompts = None
+            self._stream_slot.close()
 
     def _generate(self, prompts: list):
         self._batch_prompts = prompts
@@ -78,23 +97,23 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             )
         if (images is not None and any(images)) or multimodal_fields:
             raise ValueError("The rollout engine generates text only; set `use_vllm=True` for multimodal prompts.")
-        stream, scorer = self._start_stream(prompt_ids)
+        stream = self._start_stream(prompt_ids)
         self._rollout_calls += 1
         seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollout_calls)
-        sampling = sampling_params(self.args, self.eos_token_ids, self.args.generation_kwargs, seed)
         bar = tqdm(
             total=len(prompt_ids), desc="rollout", unit="sample", leave=False,
             disable=self.args.disable_tqdm or not self.accelerator.is_local_main_process,
         )
 
-        def on_row_finished(row: int, ids: list[int]) -> None:
+        def on_row_finished(row: int, ids: list[int]) -> None:  # on this thread, between two engine steps
             bar.update(1)
             if stream is not None:
-                scorer.completion_ids[row] = ids
                 stream.add(row, ids)
 
         try:
             with profiling_context(self, "rollout_engine.generate"), self._generation_model() as model:
+                config = effective_generation_config(model, self.generation_config)
+                sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed)
                 engine = self._get_engine(model)
                 completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, on_row_finished)
         finally:
@@ -129,7 +148,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 model.train(was_training)
 
     def _get_engine(self, model: torch.nn.Module) -> RolloutEngine:
-        """One engine per process, built on first use; its KV pool is allocated once and reused."""
+        """One engine per process, built on first use; its KV pool is allocated once and reused. A different module
+        object (a re-wrapped model) gets a new engine, so nothing built on the old one's parameters survives."""
         if self._engine is None or self._engine.model is not model:
             self._engine = RolloutEngine(model, self.engine_config)
         return self._engine
@@ -139,27 +159,27 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         return (
             self._batch_inputs is not None
             and self._batch_prompts is not None
-            and self._stream is None  # the first turn only; tool-loop re-entries are scored at the end
+            and self._stream_slot.get() is None  # the first turn only; tool-loop re-entries are scored at the end
             and len(prompt_ids) == len(self._batch_prompts)
             and not self.tools
             and self.rollout_func is None
             and getattr(self, "environment_factories", None) is None
+            and bool(streamed_funcs(self.reward_funcs))
         )
 
-    def _start_stream(self, prompt_ids: list) -> tuple[StreamingRewards | None, BatchScorer | None]:
+    def _start_stream(self, prompt_ids: list) -> StreamingRewards | None:
         if not self._streamable(prompt_ids):
-            return None, None
+            return None
         prompts = self._batch_prompts
 
         def decode(row: int, ids: list[int]):
             return self._decode_completion(prompts[row], prompt_ids[row], ids)
 
-        scorer = BatchScorer(self, self._batch_inputs, prompts, decode)
+        scorer = ChunkScorer(self, self._batch_inputs, prompts, decode)
         chunk = self.engine_config.max_active_sequences or self.num_generations
-        self._stream = StreamingRewards(
-            len(prompt_ids), len(self.reward_funcs), scorer.score, chunk, self._reward_executor
-        )
-        return self._stream, scorer
+        stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor)
+        self._stream_slot.open(stream)
+        return stream
 
     def _decode_completion(self, prompt, prompt_ids: list[int], ids: list[int]):
         """One completion as TRL's `_generate` decodes it (text, or an assistant message for chat prompts)."""
@@ -169,38 +189,6 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if getattr(tok, "response_template", None) is not None or getattr(tok, "response_schema", None) is not None:
             return [parse_response(tok, ids, prefix=prompt_ids, tools=self.tools)]
         return [{"role": "assistant", "content": self.processing_class.decode(ids, skip_special_tokens=True)}]
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """Rewards of every local row ([N, F], gathered across processes like TRL's): the streamed cache where it
-        scored exactly these completions, the rest scored now."""
-        n = len(prompts)
-        stream = self._stream
-        rewards = torch.full((n, len(self.reward_funcs)), float("nan"))
-        extra: dict[str, list] = {}
-        fresh = list(range(n))
-        if stream is not None:
-            stream.wait()
-            ok = stream.matches(completion_ids_list)
-            rewards, extra = stream.rewards.clone(), stream.extra_columns(n)
-            fresh = [i for i in range(n) if not ok[i]]
-        if fresh:
-            scorer = BatchScorer(self, inputs, prompts, decode=lambda row, ids: completions[row])
-            scorer.completion_ids = dict(enumerate(completion_ids_list))
-            scorer.completions = dict(enumerate(completions))
-            values, fresh_extra = scorer.score(fresh)
-            rewards[fresh] = values
-            for column, col_values in fresh_extra.items():
-                full = extra.setdefault(column, [None] * n)
-                for row, v in zip(fresh, col_values):
-                    full[row] = v
-        for column, values in extra.items():
-            self._pending_extra_logs[column].extend(values)
-        if torch.isnan(rewards).all(dim=1).any():
-            row = int(torch.isnan(rewards).all(dim=1).nonzero()[0])
-            logger.warning("All reward functions returned None for prompt %r, completion %r.", prompts[row],
-                           completions[row])
-        self._stream = None
-        return gather(rewards.to(self.accelerator.device))
 
     # ------------------------------------------------------------------ micro-batched backprop
     def _prepare_inputs(self, generation_batch):

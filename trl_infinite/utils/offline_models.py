@@ -63,3 +63,30 @@ def load_smollm2(dtype=None, device: str | None = None):
     if device is not None:
         model.to(device)
     return model, AutoTokenizer.from_pretrained(path)
+
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+    "</tool_response>", "<think>", "</think>",
+)
+
+
+def byte_tokenizer(chat_template: str | None = None, special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS,
+                   eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>", unused_tokens: int = 0):
+    """A byte-level tokenizer built offline (256 byte tokens, `unused_tokens` never produced by encoding, then
+    `special_tokens`), so any text round-trips exactly: chat templates, JSON tool calls. Tiny vocabulary (~265) for
+    tiny test models unless `unused_tokens` widens it (a wide vocabulary makes a random model's EOS rare, as with
+    real vocabularies); no Hub access."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = sorted(pre_tokenizers.ByteLevel.alphabet()) + [f"<unused{i}>" for i in range(unused_tokens)]
+    vocab = {t: i for i, t in enumerate(byte_vocab)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token)
+    fast.add_special_tokens({"additional_special_tokens": [t for t in special_tokens if t not in (eos_token, pad_token)]})
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast

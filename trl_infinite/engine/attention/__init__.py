@@ -100,8 +100,8 @@ def paged_attention_forward(
     meta = paged_ctx.meta
     k_cache, v_cache = paged_ctx.k_caches[spec.pool_index], paged_ctx.v_caches[spec.pool_index]
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    if key.dtype != k_cache.dtype:
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    # under autocast K and V may come in different dtypes (e.g. V from a bf16 matmul, K promoted by fp32 RoPE)
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, key)
     v_cache.index_copy_(0, meta.slot_mapping, value)
     layer = LayerAttention(
