@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 SAMPLING_MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SUFFIX_SOURCES = ("siblings+history", "siblings", "history")
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
@@ -84,10 +85,29 @@ class EngineConfig:
     speculative_draft_model: object = field(
         default=None, metadata={"help": "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n')."}
     )
+    speculative_suffix_sources: str = field(
+        default="siblings+history",
+        metadata={"help": f"Texts the 'suffix' drafter matches: one of {list(SUFFIX_SOURCES)} ('history' = the "
+                  "prompt's completions from earlier calls, kept in the engine's per-prompt history)."},
+    )
     speculative_adaptive: bool = field(
         default=True,
         metadata={"help": "Per-sample draft length from recent acceptance and a batch switch from an online cost "
                   "model (speculation off while the batch is large). False = always draft `num_speculative_tokens`."},
+    )
+
+    history_max_prompts: int = field(
+        default=4096,
+        metadata={"help": "Per-prompt history across `generate` calls (length prediction, drafts): most prompts "
+                  "kept, least recently visited dropped first. 0 = no history."},
+    )
+    history_max_visits: int = field(
+        default=2, metadata={"help": "Visits (calls) remembered per prompt, most recent kept."}
+    )
+    history_max_tokens: int = field(
+        default=2_000_000,
+        metadata={"help": "Most completion token ids the history keeps for drafts (int32, oldest visits dropped "
+                  "first; their lengths stay). 0 = lengths only."},
     )
 
     def __post_init__(self) -> None:
@@ -113,6 +133,16 @@ class EngineConfig:
         _choice("batch_policy", self.batch_policy, tuple(BATCH_POLICIES))
         self._check_scheduling()
         self._check_speculative()
+        self._check_history()
+
+    def _check_history(self) -> None:
+        for name in ("history_max_prompts", "history_max_visits", "history_max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+        if self.history_max_prompts > 0 and self.history_max_visits < 1:
+            raise ValueError(f"`history_max_visits` must be >= 1 while `history_max_prompts` > 0, got "
+                             f"{self.history_max_visits!r}.")
 
     def _check_scheduling(self) -> None:
         from .scheduling.predictors import PREDICTORS
@@ -135,6 +165,7 @@ class EngineConfig:
         _choice("speculative_method", self.speculative_method, (None, *DRAFTERS))
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"`num_speculative_tokens` must be an integer >= 1, got {self.num_speculative_tokens!r}.")
+        _choice("speculative_suffix_sources", self.speculative_suffix_sources, SUFFIX_SOURCES)
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"`speculative_adaptive` must be True or False, got {self.speculative_adaptive!r}.")
         if self.speculative_method == "draft_model" and self.speculative_draft_model is None:

@@ -10,6 +10,7 @@ import torch
 from .attention import Segment
 from .block_manager import blocks_for
 from .config import EngineConfig, SamplingParams
+from .history import PromptHistory, remember_visits
 from .kv_pool import KVCachePool
 from .model_runner import ModelRunner, chunk_segments, last_rows
 from .outputs import RolloutResult, RolloutStats
@@ -35,13 +36,17 @@ class RolloutEngine:
         self.pool = KVCachePool(model.config, self.config, dtype=param.dtype, device=self.device)
         self.runner = ModelRunner(model, self.pool, self.config.attention_backend)
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
+        self.history = PromptHistory(
+            self.config.history_max_prompts, self.config.history_max_visits, self.config.history_max_tokens
+        )
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k)
+        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k, self.history)
         self.speculator = None
         if self.config.speculative_method is not None:
             from ..spec_decode import Speculator
 
-            self.speculator = Speculator(self.config, self.device, self.config.block_size)
+            self.speculator = Speculator(self.config, self.device, self.config.block_size, history=self.history)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
@@ -123,6 +128,7 @@ class RolloutEngine:
                 for seq in scheduler.finished[done_before:]:
                     on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
         self._fill_stats(stats, scheduler, seqs, start)
+        remember_visits(self.history, groups, seqs)
         return RolloutResult(
             completion_ids=[s.output_ids for s in seqs],
             logprobs=[s.logprobs for s in seqs],
