@@ -70,11 +70,11 @@ def run_table(records, base: SimConfig, predictor: str, features: dict | None = 
                     "mean_length": res.mean_length})
     bound = out[0]["bound"]
     out.append({"policy": "bound", "mode": "-", "scheduler": "-", "decode_steps": bound, "bound": bound})
-    naive = out[0]["decode_steps"]
-    fifo = next(r["decode_steps"] for r in out if r["policy"] == "fixed_slot")
+    naive = next((r["decode_steps"] for r in out if r["policy"] == "micro_group"), None)
+    fifo = next((r["decode_steps"] for r in out if r["policy"] == "fixed_slot"), None)
     for r in out:
-        r["ratio"] = r["decode_steps"] / naive
-        r["x_fifo"] = r["decode_steps"] / fifo
+        r["ratio"] = r["decode_steps"] / naive if naive else None
+        r["x_fifo"] = r["decode_steps"] / fifo if fifo else None
         r["x_bound"] = r["decode_steps"] / bound
     return out
 
@@ -87,8 +87,8 @@ def markdown(rows: list[dict], title: str) -> str:
     out = [f"### {title}", "", "| policy | decode steps | x micro_group | x fixed_slot | x bound | tail steps | "
            "offloaded blocks | pred. MAE | const. MAE | peak KV blocks |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['policy']} | {r['decode_steps']} | x{r['ratio']:.2f} | x{r['x_fifo']:.3f} | "
-                   f"x{r['x_bound']:.3f} | {_fmt(r.get('tail_steps'))} | {_fmt(r.get('offloaded_blocks'))} | "
+        out.append(f"| {r['policy']} | {r['decode_steps']} | {_fmt(r['ratio'], '.2f')} | {_fmt(r['x_fifo'], '.3f')} | "
+                   f"{r['x_bound']:.3f} | {_fmt(r.get('tail_steps'))} | {_fmt(r.get('offloaded_blocks'))} | "
                    f"{_fmt(r.get('prediction_mae'))} | {_fmt(r.get('constant_mae'))} | "
                    f"{_fmt(r.get('peak_kv_blocks'))} |")
     return "\n".join(out)
