@@ -54,7 +54,8 @@ def test_clear_and_disabled_history():
     "overrides,field",
     [({"history_max_prompts": -1}, "history_max_prompts"), ({"history_max_visits": 0}, "history_max_visits"),
      ({"history_max_tokens": 1.5}, "history_max_tokens"),
-     ({"speculative_suffix_sources": "all"}, "speculative_suffix_sources")],
+     ({"speculative_suffix_sources": "all"}, "speculative_suffix_sources"),
+     ({"history_fallback": "group"}, "history_fallback")],
 )
 def test_config_validation_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):

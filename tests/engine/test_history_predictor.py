@@ -3,6 +3,7 @@
 import pytest
 
 from trl_infinite.engine.history import PromptHistory
+from trl_infinite.engine.scheduling.base import SchedulerView
 from trl_infinite.engine.scheduling.factory import build_policies, build_predictor
 from trl_infinite.engine.scheduling.history_predictor import HistoryPredictor, SortedLengths
 from trl_infinite.engine.scheduling.predictors import GroupPredictor
@@ -29,7 +30,7 @@ def test_sorted_lengths_conditional_means():
 def test_history_by_rank_and_elapsed():
     hist = PromptHistory()
     hist.record([1, 2], [10, 20, 30, 40])
-    pred = build_predictor("history", 16, hist)
+    pred = build_predictor("history", 16, hist, "prefix")
     grp, seqs = group([1, 2])
     pred.begin_call([grp])
     assert pred.predict_with_source(seqs[0]) == (25, "history")  # the mean of the prompt's past lengths
@@ -44,7 +45,7 @@ def test_history_by_rank_and_elapsed():
 
 
 def test_siblings_then_global_without_history():
-    pred = HistoryPredictor(PromptHistory(), k=4)
+    pred = HistoryPredictor(PromptHistory(), k=4, fallback="siblings")
     grp, seqs = group([7])
     other, others = group([8], gid=1)
     pred.begin_call([grp, other])
@@ -58,6 +59,13 @@ def test_siblings_then_global_without_history():
     assert pred.predict_with_source(seqs[2]) == (50, "siblings")
     pred.begin_call([grp])  # a new call: siblings are those of this call only
     assert pred.predict_with_source(seqs[3])[1] == "global"
+    plain = HistoryPredictor(PromptHistory(), k=4)  # the default chain skips siblings (and the prefix probe)
+    plain.begin_call([grp])
+    plain.observe(Sequence(grp, 0, 100, output_ids=[0] * 30))
+    assert plain.predict_with_source(seqs[3]) == (30, "global") and not plain.needs_prefix(seqs[3])
+    assert plain.prefix_k is None and not plain.wants_hidden
+    with pytest.raises(ValueError, match="history_fallback"):
+        HistoryPredictor(fallback="group")
 
 
 def test_first_prediction_is_scored_against_the_constant_mean():
@@ -86,12 +94,30 @@ def test_group_predictor_forgets_siblings_between_calls():
 
 
 @pytest.mark.parametrize("known", [True, False])
-def test_only_samples_without_history_probe_their_prefix(known):
+@pytest.mark.parametrize("fallback", ["prefix", "none"])
+def test_only_samples_without_history_probe_their_prefix(known, fallback):
     hist = PromptHistory()
     if known:
         hist.record([5, 5], [30, 30, 30, 30])
-    pred = build_predictor("history", 4, hist)
+    pred = build_predictor("history", 4, hist, fallback)
     policy, _ = build_policies("lfs", "static", pred, num_slots=4)
     grp, seqs = group([5, 5])
     policy.on_submit([grp], seqs)
-    assert policy.chunk_limit(seqs[0]) == (None if known else 5)
+    assert policy.chunk_limit(seqs[0]) == (5 if fallback == "prefix" and not known else None)
+
+
+def test_lfs_max_runs_the_prompt_with_the_longest_known_completion_first():
+    hist = PromptHistory()
+    hist.record([1], [5, 6, 7, 8])
+    hist.record([2], [3, 3, 3, 40])  # shorter on average, but its longest completion is the longest known
+    pred = build_predictor("history", 16, hist)
+    policy, _ = build_policies("lfs_max", "static", pred, num_slots=2)
+    (g1, s1), (g2, s2), (g3, s3) = group([1]), group([2], gid=1), group([3], gid=2)
+    policy.on_submit([g1, g2, g3], s1 + s2 + s3)
+    waiting = s1 + s2 + s3
+    order = policy.ordered(SchedulerView([], waiting, 100, 100, 4, 0))
+    # prompt 3 was never seen: a potential long tail (max_new_tokens) first, then prompt 2 (40), then prompt 1 (8)
+    assert [s.group_id for s in order] == [2] * 4 + [1] * 4 + [0] * 4
+    finish(pred, s3[0], 2)  # a finished sibling now bounds prompt 3 from below: 2 < 8 < 40
+    assert [s.group_id for s in policy.ordered(SchedulerView([], waiting[:-4] + s3[1:], 100, 100, 4, 0))] == (
+        [1] * 4 + [0] * 4 + [2] * 3)

@@ -55,14 +55,20 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": f"Paged attention backend: one of {list(ATTENTION_BACKENDS)}."}
     )
-    scheduler: str = field(default="fifo", metadata={"help": "Order in which pending samples take free slots."})
+    scheduler: str = field(
+        default="lfs",
+        metadata={"help": "Order in which pending samples take free slots. Default 'lfs' with the 'history' "
+                  "predictor: prompts that produced longer completions on earlier visits start first (FIFO order "
+                  "for prompts never seen); chosen from the simulator on recorded traces (benchmarks/RESULTS.md)."},
+    )
     batch_policy: str = field(default="static", metadata={"help": "How many samples run at once."})
     length_predictor: object = field(
-        default="prefix",
-        metadata={"help": "Length predictor of length-aware schedulers (sjf, lfs, fptas, infinite): 'prefix' (online "
-                  "regression head on the policy's hidden state at completion token k), 'group', 'oracle' "
-                  "(forced lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> length, or a "
-                  "sequence-classification model."},
+        default="history",
+        metadata={"help": "Length predictor of length-aware schedulers (sjf, lfs, lrf, fptas, infinite): 'history' "
+                  "(the prompt's lengths on earlier calls, then `history_fallback`, then the mean of recent "
+                  "lengths), 'prefix' (online regression head on the policy's hidden state at completion token k), "
+                  "'group', 'oracle' (forced lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> "
+                  "length, or a sequence-classification model."},
     )
     prefix_predictor_k: int = field(default=16, metadata={"help": "k: prefix tokens the 'prefix' predictor reads."})
     fptas_epsilon: float = field(default=0.1, metadata={"help": "FPTAS tolerance: plan <= (1 + eps) * optimum."})
@@ -96,6 +102,12 @@ class EngineConfig:
                   "model (speculation off while the batch is large). False = always draft `num_speculative_tokens`."},
     )
 
+    history_fallback: str = field(
+        default="none",
+        metadata={"help": "length_predictor='history': what predicts a prompt with no history, before the mean of "
+                  "recent lengths: 'none', 'siblings' (this call's finished siblings, Seer), 'prefix' (the prefix "
+                  "head; unseen prompts' samples probe their first k tokens) or 'siblings+prefix'."},
+    )
     history_max_prompts: int = field(
         default=4096,
         metadata={"help": "Per-prompt history across `generate` calls (length prediction, drafts): most prompts "
@@ -136,6 +148,7 @@ class EngineConfig:
         self._check_history()
 
     def _check_history(self) -> None:
+        _choice("history_fallback", self.history_fallback, ("none", "siblings", "prefix", "siblings+prefix"))
         for name in ("history_max_prompts", "history_max_visits", "history_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -41,7 +41,8 @@ class RolloutEngine:
             self.config.history_max_prompts, self.config.history_max_visits, self.config.history_max_tokens
         )
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k, self.history)
+        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k, self.history,
+                                         self.config.history_fallback)
         self.speculator = None
         if self.config.speculative_method is not None:
             from ..spec_decode import Speculator

@@ -1,8 +1,8 @@
 """`python -m trl_infinite.sim --trace T.jsonl [...]`: decode steps of every sampling mode / scheduler on a trace.
 
 Rows (B = --prompts-per-call prompts per engine call, G from the trace, g = --slots): micro_group / fixed_slot /
-dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --predictor, the predictor-free
-chunk orders (lef, las) and lrf with divided rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths,
+dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --predictor, and lrf with divided
+rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths,
 the paper's Infinite-sampling*) and "bound" (sum over engine calls of max(longest, total work / g), which no g-slot
 schedule beats). A trace that revisits prompts (`record_traces.py --epochs 2`) is replayed epoch after epoch with the
 engine's per-prompt history carried across calls; the table counts the calls of --eval-epochs only (default: the
@@ -40,8 +40,7 @@ ROWS = [
     Row("seer", "fixed_slot", "seer"),
     Row("lfs", "fixed_slot", "lfs"),
     Row("lrf", "fixed_slot", "lrf"),
-    Row("lef+chunks", "fixed_slot", "lef", divided=True),
-    Row("las+chunks", "fixed_slot", "las", divided=True),
+    Row("lfs_max", "fixed_slot", "lfs_max"),
     Row("lrf+chunks", "fixed_slot", "lrf", divided=True),
 ]
 ORACLE = Row("oracle", "fixed_slot", "infinite")
@@ -110,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-epochs", nargs="+", type=int, default=None,
                    help="Epochs whose calls are counted (default: the trace's last; earlier ones only teach).")
     p.add_argument("--history-visits", type=int, default=2, help="Visits per prompt the history keeps (0 = none).")
+    p.add_argument("--history-fallback", default="none", choices=["none", "siblings", "prefix", "siblings+prefix"],
+                   help="length_predictor=history: links between the history and the mean (EngineConfig field).")
     p.add_argument("--prefix-mae", nargs="*", type=int, default=None, help="Report the prefix predictor MAE at "
                    "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct.")
     p.add_argument("--json", default=None, help="Write every row as JSON here.")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     base = SimConfig(slots=args.slots, prompts_per_call=args.prompts_per_call, block_size=args.block_size,
                      prefix_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon, chunk_tokens=args.chunk_tokens,
                      history_max_prompts=4096 if args.history_visits else 0,
-                     history_max_visits=max(1, args.history_visits))
+                     history_max_visits=max(1, args.history_visits), history_fallback=args.history_fallback)
     rows = [r for r in ROWS if args.policies is None or r.label in args.policies]
     if args.policies is not None and len(rows) != len(set(args.policies)):
         raise ValueError(f"`--policies` must name rows of {[r.label for r in ROWS]}, got {args.policies}.")
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.trace:
         records = load_trace(path)
         feats, maes = None, {}
-        if args.prefix_mae is not None or args.predictor == "prefix":
+        if args.prefix_mae is not None or args.predictor == "prefix" or "prefix" in (
+                args.history_fallback if args.predictor == "history" else ""):
             from ..utils.offline_models import load_smollm2
             from .prefix_eval import evaluate_mae, features
 

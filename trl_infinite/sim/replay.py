@@ -34,6 +34,7 @@ class SimConfig:
     max_new_tokens: int | None = None  # None: the trace's own
     history_max_prompts: int = 4096  # per-prompt history across calls, as the engine's (0 = none)
     history_max_visits: int = 2
+    history_fallback: str = "none"
 
 
 @dataclass
@@ -166,7 +167,7 @@ def simulate(
     persist across calls, as in training (a trace that revisits prompts feeds later epochs the earlier ones)."""
     if history is None:
         history = PromptHistory(config.history_max_prompts, config.history_max_visits, max_tokens=0)
-    predictor = predictor or build_predictor(config.length_predictor, config.prefix_k, history)
+    predictor = predictor or build_predictor(config.length_predictor, config.prefix_k, history, config.history_fallback)
     baseline = getattr(predictor, "baseline_errors", None)
     out = SimResult()
     active_sum = 0

@@ -142,6 +142,13 @@ class InfiniteGRPOConfig(GRPOConfig):
         },
     )
 
+    rollout_history_fallback: str = field(
+        default=_default("history_fallback"),
+        metadata={
+            "help": "`rollout_length_predictor=history`: what predicts a prompt not seen before, before the mean of "
+            "recent lengths: `none`, `siblings`, `prefix` or `siblings+prefix`."
+        },
+    )
     rollout_history_max_prompts: int = field(
         default=_default("history_max_prompts"),
         metadata={

@@ -9,11 +9,12 @@ from .registry import BATCH_POLICIES, SCHEDULERS
 
 
 def build_predictor(
-    length_predictor="prefix", prefix_k: int = 16, history: PromptHistory | None = None
+    length_predictor="prefix", prefix_k: int = 16, history: PromptHistory | None = None,
+    history_fallback: str = "none",
 ) -> LengthPredictor:
     """One predictor per engine (or simulated run): it keeps learning across `generate` calls and reads the
     engine's per-prompt `history`."""
-    return make_predictor(length_predictor, prefix_k, history)
+    return make_predictor(length_predictor, prefix_k, history, history_fallback)
 
 
 def build_policies(

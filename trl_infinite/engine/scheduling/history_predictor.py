@@ -1,4 +1,5 @@
-"""`length_predictor="history"`: a prompt's own past lengths, then its finished siblings, the prefix head, the mean.
+"""`length_predictor="history"`: a prompt's own past lengths, then (optionally) finished siblings and the prefix head,
+then the mean of recent lengths.
 
 GRPO revisits its prompts every epoch, and a prompt's completion lengths change slowly between visits (RhymeRL
 2508.18588 §3; Seer uses the lengths of the same prompt's siblings). The chain, first source that answers wins:
@@ -7,14 +8,18 @@ GRPO revisits its prompts every epoch, and a prompt's completion lengths change 
    empirical distribution H, used per *sample rank*, not only through its mean: once r of the group's G samples
    have finished, the G - r still running are its longest, so a remaining sample is predicted by the mean of the
    upper (G - r) / G part of H, i.e. E_H[L | L >= Q_H(r / G), L > e], with e the tokens it already generated.
-2. **siblings** (Seer's probe): the mean of this call's finished siblings longer than e.
-3. **prefix** (Infinite Sampling): the regression head on the hidden state at completion token k (samples with no
-   history and no finished sibling probe their first k tokens for it, as with `length_predictor="prefix"`).
+2. **siblings** (Seer's probe; only with `fallback` "siblings" or "siblings+prefix"): the mean of this call's
+   finished siblings longer than e.
+3. **prefix** (Infinite Sampling; only with `fallback` "prefix" or "siblings+prefix"): the regression head on the
+   hidden state at completion token k (samples that no earlier link answers for probe their first k tokens).
 4. **global**: the mean of recent finished lengths (all prompts) longer than e; `max_new_tokens` before any.
 
-Every estimate is conditioned on the sample still running (L > e), so it grows as the sample outlives its
-prediction. Scoring: the first prediction a sample was ranked with is compared with its true length at finish,
-next to the constant-mean predictor (mean of the lengths finished before that moment), per source.
+`fallback="none"` (the default, `EngineConfig.history_fallback`) keeps links 1 and 4: on the recorded SmolLM2 traces
+the sibling link made `lfs` lose to FIFO on first visits (the first siblings to finish are the short ones, and
+within-prompt spread dominates), and the prefix link makes every unseen prompt's samples stop at token k+1 to probe
+(see benchmarks/RESULTS.md). Every estimate is conditioned on the sample still running (L > e), so it grows as the
+sample outlives its prediction. Scoring: the first prediction a sample was ranked with is compared with its true
+length at finish, next to the constant-mean predictor (mean of the lengths finished before that moment), per source.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ..sequence import Group, Sequence
 from .predictors import LengthPredictor, PredictorOptions, PrefixPredictor, register_predictor
 
 SOURCES = ("history", "siblings", "prefix", "global")
+FALLBACKS = ("none", "siblings", "prefix", "siblings+prefix")
 
 
 class SortedLengths:
@@ -62,14 +68,19 @@ class FirstPrediction:
 @register_predictor("history")
 class HistoryPredictor(LengthPredictor):
     """The chain of the module docstring. `history`: the engine's `PromptHistory` (a private one when None);
-    `k`: the prefix head's k; `window`: recent finished lengths kept for the global fallback."""
+    `k`: the prefix head's k; `fallback`: the links between history and the global mean (one of `FALLBACKS`);
+    `window`: recent finished lengths kept for the global mean."""
 
-    def __init__(self, history: PromptHistory | None = None, k: int = 16, window: int = 4096):
+    def __init__(self, history: PromptHistory | None = None, k: int = 16, fallback: str = "none",
+                 window: int = 4096):
         super().__init__()
+        if fallback not in FALLBACKS:
+            raise ValueError(f"`history_fallback` must be one of {list(FALLBACKS)}, got {fallback!r}.")
         self.history = history if history is not None else PromptHistory()
+        self.use_siblings = "siblings" in fallback
         self.prefix = PrefixPredictor(k=k)
-        self.prefix_k = k
-        self.wants_hidden = True
+        self.prefix_k = k if "prefix" in fallback else None
+        self.wants_hidden = "prefix" in fallback
         self.recent: deque[int] = deque(maxlen=window)
         self._recent_sorted: SortedLengths | None = None
         self._recent_sum = 0
@@ -81,7 +92,7 @@ class HistoryPredictor(LengthPredictor):
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> HistoryPredictor:
-        return cls(history=options.history, k=options.prefix_k)
+        return cls(history=options.history, k=options.prefix_k, fallback=options.history_fallback)
 
     def begin_call(self, groups: list[Group]) -> None:
         self.prefix.begin_call(groups)
@@ -110,10 +121,10 @@ class HistoryPredictor(LengthPredictor):
             pred = past.mean_above(e, len(done) / group.num_generations)  # rank r = finished siblings
             if pred is not None:
                 return pred, "history"
-        longer = [n for n in done if n > e]
+        longer = [n for n in done if n > e] if self.use_siblings else []
         if longer:
             return sum(longer) / len(longer), "siblings"
-        pred = self.prefix.predict(seq)
+        pred = self.prefix.predict(seq) if self.prefix_k is not None else None
         if pred is not None and pred > e:
             return pred, "prefix"
         return self._global().mean_above(e), "global"
@@ -133,9 +144,15 @@ class HistoryPredictor(LengthPredictor):
     def has_estimate(self, seq: Sequence) -> bool:
         return self.predict_with_source(seq)[1] != "global"
 
+    def longest_known(self, seq: Sequence) -> float | None:
+        """The longest of the prompt's past lengths and this call's finished siblings."""
+        past, done = self._past_lengths(seq.group), self._done.get(seq.group, [])
+        known = ([past.xs[-1]] if len(past) else []) + done
+        return float(max(known)) if known else None
+
     def needs_prefix(self, seq: Sequence) -> bool:
-        """Only samples that neither their history nor a finished sibling answers for probe the prefix."""
-        return self.predict_with_source(seq)[1] in ("prefix", "global")
+        """With the prefix link, only samples that no earlier link answers for probe the prefix."""
+        return self.prefix_k is not None and self.predict_with_source(seq)[1] in ("prefix", "global")
 
     # ------------------------------------------------------------------ learning and scoring
     def observe(self, seq: Sequence) -> None:
@@ -145,7 +162,8 @@ class HistoryPredictor(LengthPredictor):
             self.abs_errors.append(abs(first.value - n))
             self.errors[first.source].append(abs(first.value - n))
             self.baseline_errors.append(abs(first.constant - n))
-        self.prefix.observe(seq)
+        if self.prefix_k is not None:
+            self.prefix.observe(seq)
         self._done.setdefault(seq.group, []).append(n)
         if len(self.recent) == self.recent.maxlen:
             self._recent_sum -= self.recent[0]

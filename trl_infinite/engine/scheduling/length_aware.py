@@ -178,3 +178,21 @@ class LRFPolicy(LengthAwarePolicy):
     def ordered(self, view: SchedulerView) -> list[Sequence]:
         probes, rest = self.split_probes(view.waiting)
         return probes + sorted(rest, key=lambda s: (-self.remaining(s), s.group_id, s.sample_idx))
+
+
+@register_scheduler("lfs_max")
+class LFSMaxPolicy(LengthAwarePolicy):
+    """Longest-known-prompt first: a prompt's samples are ranked by the longest completion known for it (its earlier
+    visits in the history, this call's finished siblings: Seer's L_g = max finished length, RhymeRL's history); a
+    prompt with neither is a potential long tail and goes first (`max_new_tokens`, as in Seer). Ties: returning
+    samples with more tokens first, then submission order. Needs no probe."""
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        def key(s: Sequence) -> tuple:
+            known = self.predictor.longest_known(s)
+            return (-(s.max_new_tokens if known is None else known), -s.num_generated, s.group_id, s.sample_idx)
+
+        return sorted(view.waiting, key=key)
+
+    def chunk_limit(self, seq: Sequence) -> int | None:
+        return None

@@ -39,11 +39,12 @@ register_predictor = PREDICTORS.register
 
 @dataclass
 class PredictorOptions:
-    """What a predictor built by name may use: `prefix_k` (completion tokens the prefix head reads) and the
-    engine's per-prompt `history` (None: the predictor keeps none)."""
+    """What a predictor built by name may use: `prefix_k` (completion tokens the prefix head reads), the engine's
+    per-prompt `history` (None: the predictor keeps none) and the "history" chain's `history_fallback`."""
 
     prefix_k: int = 16
     history: PromptHistory | None = None
+    history_fallback: str = "none"  # links of the "history" chain after the history itself
 
 
 class LengthPredictor:
@@ -66,6 +67,10 @@ class LengthPredictor:
         """A `generate` call with these prompt groups starts (called by the length-aware policies)."""
 
     def predict(self, seq: Sequence) -> float | None:
+        return None
+
+    def longest_known(self, seq: Sequence) -> float | None:
+        """The longest completion known for the sample's prompt (None: nothing known)."""
         return None
 
     def needs_prefix(self, seq: Sequence) -> bool:
@@ -129,6 +134,10 @@ class GroupPredictor(LengthPredictor):
         if new is not None:
             seq.extra["pred_len"], seq.extra["pred_source"] = new, self.name
         return max(float(seq.num_generated), new if new is not None else float(seq.max_new_tokens))
+
+    def longest_known(self, seq: Sequence) -> float | None:
+        done = self.finished.get(seq.group_id)
+        return float(max(done)) if done else None
 
     def observe(self, seq: Sequence) -> None:
         super().observe(seq)
@@ -203,10 +212,13 @@ def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
     return fn
 
 
-def make_predictor(spec, k: int = 16, history: PromptHistory | None = None) -> LengthPredictor:
+def make_predictor(
+    spec, k: int = 16, history: PromptHistory | None = None, history_fallback: str = "none"
+) -> LengthPredictor:
     """`spec`: a registered name, a `LengthPredictor`, a callable or a sequence-classification model."""
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
-        return PREDICTORS.get_or_raise(spec).from_options(PredictorOptions(prefix_k=k, history=history))
+        options = PredictorOptions(prefix_k=k, history=history, history_fallback=history_fallback)
+        return PREDICTORS.get_or_raise(spec).from_options(options)
     return PrefixPredictor(k=k, fn=spec)
