@@ -20,9 +20,15 @@ speculative step always runs the eager model forward, so `--eager-none` adds a s
 off (at the first temperature only: a plain step's cost does not depend on it): the same eager path the speculative
 rows run on, next to the product default.
 
+`--epochs 2` measures drafting from history (RhymeRL's HistoSpec): the same prompts are first rolled out once without
+speculation (epoch 1, seed `--seed`), their completions go into each measured engine's per-prompt history (exactly
+what the engine records after a call), then epoch 2 (seed `--seed + 1`) is measured per method; the suffix drafter
+runs once per `--suffix-sources` ("siblings" = this call only, "siblings+history", "history" = earlier visit only).
+
     python benchmarks/speculative.py --num-prompts 2                      # CPU, ~10-15 min on 2 cores
     python benchmarks/speculative.py --model qwen3-1.7b --num-prompts 1 --group-sizes 32 --temperatures 1 0 \\
         --methods none ngram suffix --adaptive on --eager-none --max-new-tokens 1024 --json out.json
+    python benchmarks/speculative.py --epochs 2 --methods none suffix --group-sizes 16 --threads 1
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.utils.shared_data import dataset_file
 
 METHODS = ("none", "ngram", "suffix", "best_of_n")
-COLUMNS = ["G", "T", "method", "adaptive", "graphs", "mean_acc_len", "decode_fwd", "tail_fwd", "verify_fwd",
+SOURCES = ("siblings", "siblings+history", "history")
+COLUMNS = ["epoch", "G", "T", "method", "adaptive", "graphs", "mean_acc_len", "decode_fwd", "tail_fwd", "verify_fwd",
            "drafted", "accepted", "tokens", "wall_s", "tok/s", "host_ms"]
 
 
@@ -65,8 +72,10 @@ def load_prompts(tokenizer, path: Path, n: int, offset: int) -> list[list[int]]:
 
 
 def run_one(model, prompts, lengths, g: int, temperature: float, method: str, adaptive: bool, graphs: bool, args,
-            eos: list[int]) -> dict:
-    """One rollout; `lengths` ([num_prompts][G] forced lengths) or None (samples end at EOS)."""
+            eos: list[int], sources: str = "siblings+history", earlier=None) -> tuple[dict, object]:
+    """One rollout -> (table row, `RolloutResult`); `lengths` ([num_prompts][G] forced lengths) or None (samples end
+    at EOS); `earlier` (a `RolloutResult` of the same prompts) is put in the engine's history first and the rollout
+    runs with seed `--seed + 1` (the next visit)."""
     config = EngineConfig(
         sampling_mode="fixed_slot",
         max_active_sequences=len(prompts) * g,
@@ -75,13 +84,18 @@ def run_one(model, prompts, lengths, g: int, temperature: float, method: str, ad
         num_speculative_tokens=args.k,
         speculative_adaptive=adaptive,
         cuda_graphs=graphs,
+        speculative_suffix_sources=sources,
     )
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, eos_token_ids=eos,
-                              seed=args.seed)
+                              seed=args.seed + (earlier is not None))
     engine = RolloutEngine(model, config)
     if method == "none":  # warm-up: kernels, and the CUDA graph of every bucket (samples finish one by one)
         warm = [[2 + (i * g + j) % 48 for j in range(g)] for i in range(len(prompts))]
         engine.generate(prompts, g, sampling, forced_lengths=warm)
+    if earlier is not None:  # what the engine itself records after the earlier call
+        for i, p in enumerate(prompts):
+            comps = earlier.completion_ids[i * g : (i + 1) * g]
+            engine.history.record(p, [len(c) for c in comps], comps)
     steps, finished_at = [0], []
 
     def count(batch, seconds):  # decode forwards (verification included)
@@ -93,14 +107,15 @@ def run_one(model, prompts, lengths, g: int, temperature: float, method: str, ad
     n_tail = max(1, math.ceil(0.1 * len(finished_at)))  # the last 10% of samples to finish (at least one)
     tail = steps[0] - finished_at[-n_tail - 1] if len(finished_at) > n_tail else steps[0]
     on_graphs = graphs and method == "none" and engine.device.type == "cuda"
+    label = f"{method}[{sources}]" if method == "suffix" else method
     return {
-        "G": g, "T": temperature, "method": method, "adaptive": ("on" if adaptive else "off") if method != "none"
+        "epoch": 2 if earlier is not None else 1, "G": g, "T": temperature, "method": label, "adaptive": ("on" if adaptive else "off") if method != "none"
         else "-", "graphs": ("on" if on_graphs else "off") if engine.device.type == "cuda" else "-",
         "mean_acc_len": s.mean_acceptance_length if s.verify_steps else 1.0, "decode_fwd": s.decode_steps,
         "tail_fwd": tail, "verify_fwd": s.verify_steps, "drafted": s.draft_tokens, "accepted": s.accepted_tokens,
         "tokens": s.generated_tokens, "wall_s": s.wall_time_s, "tok/s": s.tokens_per_second,
         "host_ms": s.host_ms_per_step,
-    }
+    }, result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "off = always draft k tokens; both = one row each")
     p.add_argument("--eager-none", action="store_true",
                    help="also a `none` row with EngineConfig.cuda_graphs=False (first temperature only)")
+    p.add_argument("--epochs", type=int, default=1, choices=[1, 2], help="2: measure the second visit of the "
+                   "prompts, with the first visit's completions in the engine's history")
+    p.add_argument("--suffix-sources", nargs="+", default=None, choices=SOURCES,
+                   help="speculative_suffix_sources of the suffix rows (default: all three with --epochs 2)")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=20_000)
     p.add_argument("--trace", default=None, help="random-weight models: JSONL length trace (else log-normal)")
@@ -142,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     header.update({"model": args.model, "k": args.k, "max_new_tokens": args.max_new_tokens})
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.adaptive]
     table = Table(COLUMNS)
+    all_sources = list(SOURCES) if args.epochs == 2 else ["siblings+history"]
     for g in args.group_sizes:
         if tok is not None:
             prompts = load_prompts(tok, args.data or dataset_file("gsm8k"), args.num_prompts, args.prompt_offset)
@@ -152,12 +172,19 @@ def main(argv: list[str] | None = None) -> None:
             work = make_workload(model, None, records, source, args.seed)
             prompts, lengths, eos, header["lengths"] = work.prompt_ids, work.lengths, [work.eos_id], source
         for temp in args.temperatures:
+            earlier = None
+            if args.epochs == 2:  # epoch 1: plain rollout, its completions feed every epoch-2 engine's history
+                row, earlier = run_one(model, prompts, lengths, g, temp, "none", True, True, args, eos)
+                table.add(**row)
             for method in args.methods:
-                for adaptive in ([True] if method == "none" else modes):
-                    eager = method == "none" and args.eager_none and temp == args.temperatures[0]
-                    for graphs in [True, False] if eager else [True]:
-                        table.add(**run_one(model, prompts, lengths, g, temp, method, adaptive, graphs, args, eos))
-                        save_json(args.json, header, table, {"partial": True})
+                for sources in (args.suffix_sources or all_sources) if method == "suffix" else ["siblings+history"]:
+                    for adaptive in ([True] if method == "none" else modes):
+                        eager = method == "none" and args.eager_none and temp == args.temperatures[0]
+                        for graphs in [True, False] if eager else [True]:
+                            row, _ = run_one(model, prompts, lengths, g, temp, method, adaptive, graphs, args, eos,
+                                             sources, earlier)
+                            table.add(**row)
+                            save_json(args.json, header, table, {"partial": True})
     write_results(args.json, header, table, {"args": {k: str(v) for k, v in vars(args).items()}})
 
 

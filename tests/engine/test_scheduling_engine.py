@@ -29,6 +29,37 @@ def test_engine_matches_simulator_on_forced_lengths(model, mode, scheduler, chun
     _check_engine_equals_simulator(model, mode, scheduler, chunk, LENGTHS)
 
 
+@pytest.mark.parametrize(
+    "scheduler,chunk", [("lrf", None), ("lrf", 5), ("lfs_max", None), ("fifo", 5)],
+)
+def test_new_policies_match_simulator_on_forced_lengths(model, scheduler, chunk):
+    _check_engine_equals_simulator(model, "fixed_slot", scheduler, chunk, LENGTHS)
+
+
+@pytest.mark.parametrize(
+    "scheduler,chunk", [("lfs", None), ("lrf", 5), ("infinite", None), ("sjf", None), ("lfs_max", None)]
+)
+def test_engine_matches_simulator_across_calls_with_history(model, scheduler, chunk):
+    """Two calls on the same prompts (two epochs): the second is scheduled from the first call's lengths, in the
+    engine's history and in the simulator's alike (k beyond every length: the prefix head never answers)."""
+    epochs = [LENGTHS, [[n % 7 + 2 * i + 1 for n in g] for i, g in enumerate(reversed(LENGTHS))]]
+    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=3, scheduler=scheduler,
+                       length_predictor="history", prefix_predictor_k=64, kv_cache_tokens=240, block_size=4,
+                       chunk_tokens=chunk)
+    engine = RolloutEngine(model, cfg)
+    steps = [engine.generate(PROMPTS, 6, SamplingParams(max_new_tokens=40, seed=e), forced_lengths=lengths)
+             .stats.decode_steps for e, lengths in enumerate(epochs)]
+    records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=40, prompt_ids=p, epoch=e)
+               for e, lengths in enumerate(epochs) for i, (p, g) in enumerate(zip(PROMPTS, lengths))]
+    sim = simulate(records, SimConfig(sampling_mode="fixed_slot", scheduler=scheduler, slots=3, prompts_per_call=2,
+                                      block_size=4, kv_cache_tokens=240, chunk_tokens=chunk,
+                                      length_predictor="history", prefix_k=64))
+    assert steps == [c.decode_steps for c in sim.calls]
+    assert len(engine.history) == 2 and engine.history.lengths(PROMPTS[1]) == LENGTHS[1] + epochs[1][1]
+    if scheduler != "lfs_max":  # it ranks by the longest known length, not the predictor's estimate
+        assert engine.predictor.mae_by_source()["history"][1] == 12  # every second-call sample ranked by history
+
+
 def test_one_token_samples_take_no_decode_row(model):
     """Samples that end with their first token (sampled from the prompt's logits) never join a decode forward."""
     ones = [[1, 1, 1, 4, 1, 1], [1, 1, 1, 1, 1, 1]]
@@ -72,8 +103,8 @@ def test_memory_batch_policy_in_engine_stays_in_pool(model):
 
 
 def test_prefix_predictor_learns_from_hidden_states(model):
-    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=4, scheduler="sjf", prefix_predictor_k=2,
-                       kv_cache_tokens=600, block_size=4)
+    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=4, scheduler="sjf", length_predictor="prefix",
+                       prefix_predictor_k=2, kv_cache_tokens=600, block_size=4)
     engine = RolloutEngine(model, cfg)
     sp = SamplingParams(max_new_tokens=40, seed=3)
     engine.predictor.min_train = 4

@@ -2,13 +2,14 @@
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from trl_infinite.sim.__main__ import main, run_table
+from trl_infinite.sim.__main__ import ROWS, main, run_table
 from trl_infinite.sim.prefix_eval import evaluate_mae
-from trl_infinite.sim.replay import SimConfig
+from trl_infinite.sim.replay import SimConfig, _calls, simulate
 from trl_infinite.utils.traces import TraceRecord, lognormal_trace, save_trace
 
 
@@ -26,7 +27,7 @@ def test_cli_table_on_a_trace(tmp_path, capsys):
 def test_table_orders_and_bound(prompts_per_call):
     recs = lognormal_trace(4, 32, 120, 0.8, 512, seed=2)
     config = SimConfig(slots=4 * prompts_per_call, prompts_per_call=prompts_per_call)
-    rows = {r["policy"]: r for r in run_table(recs, config, "oracle")}
+    rows = {r["policy"]: r for r in run_table(recs, config, "oracle", rows=[r for r in ROWS if not r.divided])}
     bound = rows["bound"]["decode_steps"]
     for name, r in rows.items():
         if name != "dynamic_slot":  # dynamic_slot is not bound to g slots (as many as memory allows)
@@ -47,3 +48,35 @@ def test_prefix_mae_beats_constant_when_features_carry_length():
     out = evaluate_mae(recs, feats, l2=0.1)
     assert out["samples"] == 80
     assert out["mae"] < 0.5 * out["baseline_mae"]
+
+
+def _revisit(*groups, epochs=2):
+    return [TraceRecord(prompt_len=5, lengths=list(g), prompt_index=i, max_new_tokens=64, epoch=e)
+            for e in range(epochs) for i, g in enumerate(groups)]
+
+
+def test_calls_never_mix_epochs():
+    recs = _revisit([2], [3], [4])
+    calls = _calls(recs, 2)
+    assert [[r.epoch for r in c] for c in calls] == [[0, 0], [0], [1, 1], [1]]
+
+
+@pytest.mark.parametrize("history_prompts,second_call", [(4096, 8), (0, 10)])
+def test_second_epoch_is_scheduled_from_the_first(history_prompts, second_call):
+    # costs 1,1,1 (prompt 0) and 8 (prompt 1) on 2 slots. Submission order puts the long sample last: 1 step for
+    # prompt 0's first two samples, 1 in which prompt 1 is prefilled beside the third, then 8: 10 decode steps.
+    # With prompt 1's length from the first epoch, `lfs` starts it first (both prompts prefilled before the first
+    # decode step): 8 steps, the bound. Without history the second epoch has nothing to go on and repeats the first.
+    recs = _revisit([2, 2, 2], [9])
+    cfg = SimConfig(scheduler="lfs", length_predictor="history", slots=2, prompts_per_call=2, block_size=4,
+                    history_max_prompts=history_prompts)
+    res = simulate(recs, cfg)
+    assert [c.decode_steps for c in res.calls] == [10, second_call]
+    summary = res.epoch_summary({1})
+    assert (summary.calls, summary.decode_steps, summary.bound) == (1, second_call, 8)
+    if history_prompts:
+        assert summary.prediction_mae == 0 and summary.scored_samples == 4  # each prompt repeats its lengths
+    rows = {r["policy"]: r for r in run_table(recs, replace(cfg, scheduler="fifo"), "history",
+                                              rows=[ROWS[0], ROWS[1], ROWS[7]])}
+    assert rows["fixed_slot"]["decode_steps"] == 10 and rows["lfs"]["decode_steps"] == second_call
+    assert rows["bound"]["decode_steps"] == 8 and rows["oracle"]["decode_steps"] == 8

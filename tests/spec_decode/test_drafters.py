@@ -3,6 +3,7 @@
 import pytest
 
 from trl_infinite.engine import EngineConfig
+from trl_infinite.engine.history import PromptHistory
 from trl_infinite.engine.sequence import Group, Sequence
 from trl_infinite.spec_decode import DRAFTERS, build_drafter
 from trl_infinite.spec_decode.adaptive import AcceptanceTracker, best_length
@@ -23,6 +24,24 @@ def test_suffix_proposes_sibling_continuation_after_shared_prefix():
     d.update(b, [10, 11, 12])
     assert d.propose([b], [3])[0].tokens == [13, 14, 15]
     assert d.propose([b], [10])[0].tokens == [13, 14, 15, 16]  # no more continuation known
+
+
+@pytest.mark.parametrize("sources", ["siblings+history", "history", "siblings"])
+def test_suffix_drafts_from_the_prompts_earlier_completions(sources):
+    history = PromptHistory()
+    history.record([90, 91, 92], [6], [[10, 11, 12, 40, 41, 42]])  # the prompt's completion on an earlier visit
+    _, (a, b) = _group([90, 91, 92])
+    d = build_drafter("suffix", history=history, sources=sources)
+    d.start(a)
+    d.update(a, [10, 11, 12])
+    expected = {"siblings": [], "history": [40, 41], "siblings+history": [40, 41]}[sources]
+    assert d.propose([a], [2])[0].tokens == expected
+    assert d.history_texts == (0 if sources == "siblings" else 1)
+    d.update(a, [13, 14, 15])
+    d.start(b)
+    d.update(b, [13])
+    # with "history" only, the running sibling's own text is matched, never indexed
+    assert d.propose([b], [2])[0].tokens == ([] if sources == "history" else [14, 15])
 
 
 def test_suffix_confidence_threshold_and_frequency():

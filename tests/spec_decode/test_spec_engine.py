@@ -164,6 +164,36 @@ def test_sampled_distribution_matches_target(model, draft, method):
         assert lp[1] == pytest.approx(math.log(marginal[tuple(c[:2])] / marginal[tuple(c[:1])]), abs=1e-4)
 
 
+def test_greedy_history_drafts_identical_and_accepted(model, greedy_base):
+    """The second visit of the same prompts drafts from the first visit's completions (history only): greedy
+    output identical, and the repeated greedy text is accepted almost whole."""
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    base = greedy_base[0]
+    eng = _engine(model, "suffix", num_speculative_tokens=4, speculative_adaptive=False,
+                  speculative_suffix_sources="history")
+    first = eng.generate(PROMPTS, 2, sp)  # no earlier visit yet: drafts from the prompt text only
+    second = eng.generate(PROMPTS, 2, sp)
+    assert first.completion_ids == second.completion_ids == base.completion_ids
+    s = second.stats
+    assert s.accepted_tokens >= 0.9 * s.draft_tokens > 0 and first.stats.accepted_tokens < 0.1 * s.accepted_tokens
+    assert s.decode_steps < 0.5 * base.stats.decode_steps
+
+
+def test_history_drafts_keep_the_sampled_distribution(model):
+    """T=1, top_k=6, top_p=0.9: 1500 samples whose drafts come only from an earlier visit's 1500 completions pass
+    the same chi-square goodness-of-fit test (significance 0.001, deterministic seeds) against the exact law."""
+    prompt, g = PROMPTS[0], 1500
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=6, top_p=0.9, seed=11)
+    law = _exact_triples(model, prompt, sp)
+    eng = _engine(model, "suffix", max_active_sequences=g, num_speculative_tokens=2, speculative_adaptive=False,
+                  speculative_suffix_sources="history")
+    eng.generate([prompt], g, SamplingParams(max_new_tokens=4, temperature=1.0, top_k=6, top_p=0.9, seed=5))
+    out = eng.generate([prompt], g, sp)
+    s = out.stats
+    assert 0 < s.accepted_tokens < s.draft_tokens  # both acceptance and rejection paths were exercised
+    assert _chi2_pvalue([tuple(c[:3]) for c in out.completion_ids], law) > 1e-3
+
+
 def test_always_wrong_drafter_is_correct_and_adaptive_not_slower(model, greedy_base):
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     base = greedy_base[0]

@@ -8,6 +8,7 @@ from .inputs import eos_list
 
 SAMPLING_MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SUFFIX_SOURCES = ("siblings+history", "siblings", "history")
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
@@ -88,14 +89,20 @@ class EngineConfig:
         metadata={"help": "torch.compile backend of `compile=True` (a name from `torch._dynamo.list_backends()`, "
                   "e.g. 'inductor', or 'eager' / 'aot_eager' to debug)."},
     )
-    scheduler: str = field(default="fifo", metadata={"help": "Order in which pending samples take free slots."})
+    scheduler: str = field(
+        default="lfs",
+        metadata={"help": "Order in which pending samples take free slots. Default 'lfs' with the 'history' "
+                  "predictor: prompts that produced longer completions on earlier visits start first (FIFO order "
+                  "for prompts never seen); chosen from the simulator on recorded traces (benchmarks/RESULTS.md)."},
+    )
     batch_policy: str = field(default="static", metadata={"help": "How many samples run at once."})
     length_predictor: object = field(
-        default="prefix",
-        metadata={"help": "Length predictor of length-aware schedulers (sjf, lfs, fptas, infinite): 'prefix' (online "
-                  "regression head on the policy's hidden state at completion token k), 'group', 'oracle' "
-                  "(forced lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> length, or a "
-                  "sequence-classification model."},
+        default="history",
+        metadata={"help": "Length predictor of length-aware schedulers (sjf, lfs, lrf, fptas, infinite): 'history' "
+                  "(the prompt's lengths on earlier calls, then `history_fallback`, then the mean of recent "
+                  "lengths), 'prefix' (online regression head on the policy's hidden state at completion token k), "
+                  "'group', 'oracle' (forced lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> "
+                  "length, or a sequence-classification model."},
     )
     prefix_predictor_k: int = field(default=16, metadata={"help": "k: prefix tokens the 'prefix' predictor reads."})
     fptas_epsilon: float = field(default=0.1, metadata={"help": "FPTAS tolerance: plan <= (1 + eps) * optimum."})
@@ -118,10 +125,35 @@ class EngineConfig:
     speculative_draft_model: object = field(
         default=None, metadata={"help": "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n')."}
     )
+    speculative_suffix_sources: str = field(
+        default="siblings+history",
+        metadata={"help": f"Texts the 'suffix' drafter matches: one of {list(SUFFIX_SOURCES)} ('history' = the "
+                  "prompt's completions from earlier calls, kept in the engine's per-prompt history)."},
+    )
     speculative_adaptive: bool = field(
         default=True,
         metadata={"help": "Per-sample draft length from recent acceptance and a batch switch from an online cost "
                   "model (speculation off while the batch is large). False = always draft `num_speculative_tokens`."},
+    )
+
+    history_fallback: str = field(
+        default="none",
+        metadata={"help": "length_predictor='history': what predicts a prompt with no history, before the mean of "
+                  "recent lengths: 'none', 'siblings' (this call's finished siblings, Seer), 'prefix' (the prefix "
+                  "head; unseen prompts' samples probe their first k tokens) or 'siblings+prefix'."},
+    )
+    history_max_prompts: int = field(
+        default=4096,
+        metadata={"help": "Per-prompt history across `generate` calls (length prediction, drafts): most prompts "
+                  "kept, least recently visited dropped first. 0 = no history."},
+    )
+    history_max_visits: int = field(
+        default=2, metadata={"help": "Visits (calls) remembered per prompt, most recent kept."}
+    )
+    history_max_tokens: int = field(
+        default=2_000_000,
+        metadata={"help": "Most completion token ids the history keeps for drafts (int32, oldest visits dropped "
+                  "first; their lengths stay). 0 = lengths only."},
     )
 
     def __post_init__(self) -> None:
@@ -155,6 +187,17 @@ class EngineConfig:
         _choice("batch_policy", self.batch_policy, tuple(BATCH_POLICIES))
         self._check_scheduling()
         self._check_speculative()
+        self._check_history()
+
+    def _check_history(self) -> None:
+        _choice("history_fallback", self.history_fallback, ("none", "siblings", "prefix", "siblings+prefix"))
+        for name in ("history_max_prompts", "history_max_visits", "history_max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+        if self.history_max_prompts > 0 and self.history_max_visits < 1:
+            raise ValueError(f"`history_max_visits` must be >= 1 while `history_max_prompts` > 0, got "
+                             f"{self.history_max_visits!r}.")
 
     def _check_scheduling(self) -> None:
         from .scheduling.predictors import PREDICTORS
@@ -174,6 +217,7 @@ class EngineConfig:
 
         _choice("speculative_method", self.speculative_method, (None, *DRAFTERS))
         _integer("num_speculative_tokens", self.num_speculative_tokens)
+        _choice("speculative_suffix_sources", self.speculative_suffix_sources, SUFFIX_SOURCES)
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"`speculative_adaptive` must be True or False, got {self.speculative_adaptive!r}.")
         if self.speculative_method == "draft_model" and self.speculative_draft_model is None:

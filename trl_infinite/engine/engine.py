@@ -11,6 +11,7 @@ from .block_manager import blocks_for
 from .config import EngineConfig, SamplingParams
 from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
+from .history import PromptHistory, remember_visits
 from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
 from .logits import GenerationProcessors
@@ -51,13 +52,18 @@ class RolloutEngine:
         self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
                                      compile_backend=self.config.compile_backend)
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
+        self.history = PromptHistory(
+            self.config.history_max_prompts, self.config.history_max_visits, self.config.history_max_tokens
+        )
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k)
+        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k, self.history,
+                                         self.config.history_fallback)
         self.speculator = None
         if self.config.speculative_method is not None:
             from ..spec_decode import Speculator
 
-            self.speculator = Speculator(self.config, self.device, self.config.block_size)
+            self.speculator = Speculator(self.config, self.device, self.config.block_size, history=self.history)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
@@ -150,6 +156,7 @@ class RolloutEngine:
         finally:
             self.decoder.end()
         self._fill_stats(stats, scheduler, seqs, start)
+        remember_visits(self.history, groups)
         return RolloutResult(
             completion_ids=[s.output_ids for s in seqs],
             logprobs=[s.logprobs for s in seqs],

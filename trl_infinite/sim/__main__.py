@@ -1,61 +1,95 @@
 """`python -m trl_infinite.sim --trace T.jsonl [...]`: decode steps of every sampling mode / scheduler on a trace.
 
-Rows (the paper's Table 1/2 setup: B=1 prompt per call, G from the trace, g = --slots):
-micro_group / fixed_slot / dynamic_slot with FIFO, then fixed_slot with fptas, sjf, infinite, seer, lfs fed by
---predictor, "oracle" (infinite fed the true lengths, the paper's Infinite-sampling*) and "bound"
-(sum over engine calls of max(longest, total work / g), no schedule can beat it). Ratios are to micro_group.
-With --prefix-mae (needs the SmolLM2 weights and traces with prefix ids) it also reports the prefix predictor's
-leave-one-prompt-out mean absolute error at each k, and --predictor prefix uses those features in the replay.
+Rows (B = --prompts-per-call prompts per engine call, G from the trace, g = --slots): micro_group / fixed_slot /
+dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --predictor, and lrf with divided
+rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths,
+the paper's Infinite-sampling*) and "bound" (sum over engine calls of max(longest, total work / g), which no g-slot
+schedule beats). A trace that revisits prompts (`record_traces.py --epochs 2`) is replayed epoch after epoch with the
+engine's per-prompt history carried across calls; the table counts the calls of --eval-epochs only (default: the
+last epoch), so the second epoch is scheduled with what the first one taught. With --prefix-mae (needs the SmolLM2
+weights and traces with prefix ids) it also reports the prefix predictor's leave-one-prompt-out mean absolute error
+at each k, and --predictor prefix uses those features in the replay.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
-from ..utils.traces import load_trace
-from .replay import SimConfig, oracle_bound, simulate
+from ..engine.scheduling.predictors import PREDICTORS
+from ..utils.traces import TraceRecord, load_trace
+from .replay import SimConfig, simulate
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    mode: str
+    scheduler: str
+    divided: bool = False  # run with `--row-chunk-tokens` (divided rollout) instead of `--chunk-tokens`
+
 
 ROWS = [
-    ("micro_group", "micro_group", "fifo"),
-    ("fixed_slot", "fixed_slot", "fifo"),
-    ("dynamic_slot", "dynamic_slot", "fifo"),
-    ("fptas", "fixed_slot", "fptas"),
-    ("sjf", "fixed_slot", "sjf"),
-    ("infinite", "fixed_slot", "infinite"),
-    ("seer", "fixed_slot", "seer"),
-    ("lfs", "fixed_slot", "lfs"),
+    Row("micro_group", "micro_group", "fifo"),
+    Row("fixed_slot", "fixed_slot", "fifo"),
+    Row("dynamic_slot", "dynamic_slot", "fifo"),
+    Row("fptas", "fixed_slot", "fptas"),
+    Row("sjf", "fixed_slot", "sjf"),
+    Row("infinite", "fixed_slot", "infinite"),
+    Row("seer", "fixed_slot", "seer"),
+    Row("lfs", "fixed_slot", "lfs"),
+    Row("lrf", "fixed_slot", "lrf"),
+    Row("lfs_max", "fixed_slot", "lfs_max"),
+    Row("lrf+chunks", "fixed_slot", "lrf", divided=True),
 ]
+ORACLE = Row("oracle", "fixed_slot", "infinite")
 
 
-def run_table(records, base: SimConfig, predictor: str, features: dict | None = None) -> list[dict]:
-    rows = []
-    for label, mode, sched in ROWS + [("oracle", "fixed_slot", "infinite")]:
-        cfg = replace(base, sampling_mode=mode, scheduler=sched,
-                      length_predictor="oracle" if label == "oracle" else predictor)
-        res = simulate(records, cfg, features=features if label != "oracle" else None)
+def eval_epochs(records: list[TraceRecord], wanted: list[int] | None) -> set[int]:
+    return set(wanted) if wanted else {max(r.epoch for r in records)}
+
+
+def run_table(records, base: SimConfig, predictor: str, features: dict | None = None, rows: list[Row] | None = None,
+              epochs: set[int] | None = None, row_chunk_tokens: int = 128) -> list[dict]:
+    """One dict per row: totals over the calls of `epochs` (default: the last epoch of the trace)."""
+    epochs = epochs or eval_epochs(records, None)
+    out = []
+    for row in (rows or ROWS) + [ORACLE]:
+        cfg = replace(base, sampling_mode=row.mode, scheduler=row.scheduler,
+                      length_predictor="oracle" if row is ORACLE else predictor,
+                      chunk_tokens=row_chunk_tokens if row.divided else base.chunk_tokens)
+        res = simulate(records, cfg, features=features if row is not ORACLE else None)
         if not res.lengths_preserved:
-            raise RuntimeError(f"{label}: a sample was lost or shortened (simulator bug).")
-        rows.append({"policy": label, "mode": mode, "scheduler": sched, **asdict(res), "mean_length": res.mean_length})
-    per_call = base.prompts_per_call  # the bound holds per engine call: its samples share the `slots`
-    calls = [records[i : i + per_call] for i in range(0, len(records), per_call)]
-    bound = sum(oracle_bound([n for r in call for n in r.lengths], base.slots) for call in calls)
-    rows.append({"policy": "bound", "mode": "-", "scheduler": "-", "decode_steps": bound})
-    naive = rows[0]["decode_steps"]
-    for r in rows:
-        r["ratio"] = r["decode_steps"] / naive
-    return rows
+            raise RuntimeError(f"{row.label}: a sample was lost or shortened (simulator bug).")
+        summary = res.epoch_summary(epochs)
+        out.append({"policy": row.label, "mode": row.mode, "scheduler": row.scheduler,
+                    "chunk_tokens": cfg.chunk_tokens, **asdict(summary), "mean_active": res.mean_active,
+                    "peak_kv_blocks": res.peak_kv_blocks, "preemptions": res.preemptions,
+                    "mean_length": res.mean_length})
+    bound = out[0]["bound"]
+    out.append({"policy": "bound", "mode": "-", "scheduler": "-", "decode_steps": bound, "bound": bound})
+    naive = next((r["decode_steps"] for r in out if r["policy"] == "micro_group"), None)
+    fifo = next((r["decode_steps"] for r in out if r["policy"] == "fixed_slot"), None)
+    for r in out:
+        r["ratio"] = r["decode_steps"] / naive if naive else None
+        r["x_fifo"] = r["decode_steps"] / fifo if fifo else None
+        r["x_bound"] = r["decode_steps"] / bound
+    return out
+
+
+def _fmt(x, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    out = [f"### {title}", "", "| policy | decode steps | x micro_group | mean active | peak KV blocks | tail steps "
-           "| preemptions | mean length | pred. MAE |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [f"### {title}", "", "| policy | decode steps | x micro_group | x fixed_slot | x bound | tail steps | "
+           "offloaded blocks | pred. MAE | const. MAE | peak KV blocks |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        mae = r.get("prediction_mae")
-        out.append(f"| {r['policy']} | {r['decode_steps']} | x{r['ratio']:.2f} | {r.get('mean_active', 0):.2f} | "
-                   f"{r.get('peak_kv_blocks', '-')} | {r.get('tail_steps', '-')} | {r.get('preemptions', '-')} | "
-                   f"{r.get('mean_length', 0):.0f} | {'-' if mae is None else f'{mae:.0f}'} |")
+        out.append(f"| {r['policy']} | {r['decode_steps']} | {_fmt(r['ratio'], '.2f')} | {_fmt(r['x_fifo'], '.3f')} | "
+                   f"{r['x_bound']:.3f} | {_fmt(r.get('tail_steps'))} | {_fmt(r.get('offloaded_blocks'))} | "
+                   f"{_fmt(r.get('prediction_mae'))} | {_fmt(r.get('constant_mae'))} | "
+                   f"{_fmt(r.get('peak_kv_blocks'))} |")
     return "\n".join(out)
 
 
@@ -65,21 +99,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=4, help="g: decode slots (micro-group size).")
     p.add_argument("--prompts-per-call", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--predictor", default="oracle", choices=["oracle", "group", "prefix", "none"])
+    p.add_argument("--predictor", default="oracle", choices=sorted(PREDICTORS))
     p.add_argument("--prefix-k", type=int, default=16)
     p.add_argument("--fptas-epsilon", type=float, default=0.1)
-    p.add_argument("--chunk-tokens", type=int, default=None)
+    p.add_argument("--chunk-tokens", type=int, default=None, help="Divided rollout for every row (default off).")
+    p.add_argument("--row-chunk-tokens", type=int, default=128, help="Chunk of the `+chunks` rows.")
+    p.add_argument("--policies", nargs="+", default=None, help=f"Rows to run (default all): "
+                   f"{[r.label for r in ROWS]}; `oracle` and `bound` are always added.")
+    p.add_argument("--eval-epochs", nargs="+", type=int, default=None,
+                   help="Epochs whose calls are counted (default: the trace's last; earlier ones only teach).")
+    p.add_argument("--history-visits", type=int, default=2, help="Visits per prompt the history keeps (0 = none).")
+    p.add_argument("--history-fallback", default="none", choices=["none", "siblings", "prefix", "siblings+prefix"],
+                   help="length_predictor=history: links between the history and the mean (EngineConfig field).")
     p.add_argument("--prefix-mae", nargs="*", type=int, default=None, help="Report the prefix predictor MAE at "
                    "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct.")
     p.add_argument("--json", default=None, help="Write every row as JSON here.")
     args = p.parse_args(argv)
     base = SimConfig(slots=args.slots, prompts_per_call=args.prompts_per_call, block_size=args.block_size,
-                     prefix_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon, chunk_tokens=args.chunk_tokens)
+                     prefix_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon, chunk_tokens=args.chunk_tokens,
+                     history_max_prompts=4096 if args.history_visits else 0,
+                     history_max_visits=max(1, args.history_visits), history_fallback=args.history_fallback)
+    rows = [r for r in ROWS if args.policies is None or r.label in args.policies]
+    if args.policies is not None and len(rows) != len(set(args.policies)):
+        raise ValueError(f"`--policies` must name rows of {[r.label for r in ROWS]}, got {args.policies}.")
     report = {}
     for path in args.trace:
         records = load_trace(path)
         feats, maes = None, {}
-        if args.prefix_mae is not None or args.predictor == "prefix":
+        if args.prefix_mae is not None or args.predictor == "prefix" or "prefix" in (
+                args.history_fallback if args.predictor == "history" else ""):
             from ..utils.offline_models import load_smollm2
             from .prefix_eval import evaluate_mae, features
 
@@ -88,15 +136,19 @@ def main(argv: list[str] | None = None) -> None:
             allf = features(records, model.eval(), ks)
             maes = {k: evaluate_mae(records, allf[k]) for k in (args.prefix_mae or [])}
             feats = allf[args.prefix_k]
-        rows = run_table(records, base, args.predictor, feats)
+        epochs = eval_epochs(records, args.eval_epochs)
+        table = run_table(records, base, args.predictor, feats, rows, epochs, args.row_chunk_tokens)
         name = records[0].dataset or path
+        counted = [r for r in records if r.epoch in epochs]
         g = len(records[0].lengths)
-        print(markdown(rows, f"{name}: {len(records)} prompts, G={g}, g={args.slots}, predictor={args.predictor}"))
+        print(markdown(table, f"{name}: {len(counted)} prompts x G={g} in epoch(s) {sorted(epochs)} "
+                       f"({table[0]['calls']} calls of {args.prompts_per_call}), g={args.slots}, "
+                       f"predictor={args.predictor}"))
         for k, m in maes.items():
             print(f"prefix predictor k={k}: MAE {m['mae']:.1f} tokens (constant-mean baseline "
                   f"{m['baseline_mae']:.1f}, {m['samples']} samples, leave-one-prompt-out)")
         print()
-        report[path] = {"rows": rows, "prefix_mae": maes}
+        report[path] = {"rows": table, "prefix_mae": maes, "eval_epochs": sorted(epochs)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

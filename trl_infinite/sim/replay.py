@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine.block_manager import BlockAllocator, blocks_for
+from ..engine.history import PromptHistory, remember_visits
 from ..engine.loop import drive
 from ..engine.outputs import RolloutStats
 from ..engine.scheduler import ScheduledBatch, Scheduler, StepOutput
@@ -33,6 +34,9 @@ class SimConfig:
     prefix_k: int = 16
     fptas_epsilon: float = 0.1
     max_new_tokens: int | None = None  # None: the trace's own
+    history_max_prompts: int = 4096  # per-prompt history across calls, as the engine's (0 = none)
+    history_max_visits: int = 2
+    history_fallback: str = "none"
 
 
 @dataclass
@@ -49,10 +53,48 @@ class SimResult:
     lengths_preserved: bool = True
     prediction_mae: float | None = None
     per_call_steps: list[int] = field(default_factory=list)
+    calls: list[CallSummary] = field(default_factory=list)
 
     @property
     def mean_length(self) -> float:
         return self.generated_tokens / self.num_samples if self.num_samples else 0.0
+
+    def epoch_summary(self, epochs: set[int]) -> EpochSummary:
+        """Totals over the calls of these epochs (e.g. the second epoch, scheduled with the first one's history)."""
+        calls = [c for c in self.calls if c.epoch in epochs]
+        errs = [x for c in calls for x in c.errors]
+        base = [x for c in calls for x in c.constant_errors]
+        return EpochSummary(
+            calls=len(calls), decode_steps=sum(c.decode_steps for c in calls), bound=sum(c.bound for c in calls),
+            tail_steps=sum(c.tail_steps for c in calls), offloaded_blocks=sum(c.offloaded_blocks for c in calls),
+            prediction_mae=sum(errs) / len(errs) if errs else None,
+            constant_mae=sum(base) / len(base) if base else None, scored_samples=len(errs),
+        )
+
+
+@dataclass
+class CallSummary:
+    """One simulated `generate` call."""
+
+    epoch: int
+    decode_steps: int
+    bound: int  # `oracle_bound` of the call's lengths
+    tail_steps: int
+    offloaded_blocks: int
+    errors: list[float]  # |first prediction - length| of the samples that finished in this call
+    constant_errors: list[float]  # the same for the constant-mean predictor (history predictor only)
+
+
+@dataclass
+class EpochSummary:
+    calls: int
+    decode_steps: int
+    bound: int
+    tail_steps: int
+    offloaded_blocks: int
+    prediction_mae: float | None
+    constant_mae: float | None
+    scored_samples: int
 
 
 def step_cost(length: int) -> int:
@@ -101,8 +143,26 @@ class TraceExecutor:
         pass
 
 
+def _prompt_ids(rec: TraceRecord) -> list[int]:
+    """The recorded prompt ids, else a stand-in unique to the prompt index (the history is keyed by prompt ids)."""
+    if rec.prompt_ids is not None:
+        return list(rec.prompt_ids)
+    return [-1 - rec.prompt_index] + [0] * (rec.prompt_len - 1)
+
+
+def _calls(records: list[TraceRecord], per_call: int) -> list[list[TraceRecord]]:
+    """Consecutive records, `per_call` at a time, never mixing two epochs in one call."""
+    calls: list[list[TraceRecord]] = []
+    for rec in records:
+        if calls and len(calls[-1]) < per_call and calls[-1][-1].epoch == rec.epoch:
+            calls[-1].append(rec)
+        else:
+            calls.append([rec])
+    return calls
+
+
 def _requests(records: list[TraceRecord], max_new: int) -> list[Group]:
-    return [make_group(i, [0] * rec.prompt_len, len(rec.lengths), max_new, forced_lengths=rec.lengths)
+    return [make_group(i, _prompt_ids(rec), len(rec.lengths), max_new, forced_lengths=rec.lengths)
             for i, rec in enumerate(records)]
 
 
@@ -111,13 +171,19 @@ def simulate(
     config: SimConfig,
     predictor: LengthPredictor | None = None,
     features: dict | None = None,
+    history: PromptHistory | None = None,
 ) -> SimResult:
-    """Run the trace call by call (B prompts each); the predictor persists across calls, as in training."""
-    predictor = predictor or build_predictor(config.length_predictor, config.prefix_k)
+    """Run the trace call by call (B prompts each, one epoch per call); the predictor and the per-prompt history
+    persist across calls, as in training (a trace that revisits prompts feeds later epochs the earlier ones)."""
+    if history is None:
+        history = PromptHistory(config.history_max_prompts, config.history_max_visits, max_tokens=0)
+    predictor = predictor or build_predictor(config.length_predictor, config.prefix_k, history, config.history_fallback)
+    baseline = getattr(predictor, "baseline_errors", None)
     out = SimResult()
     active_sum = 0
-    for start in range(0, len(records), config.prompts_per_call):
-        chunk = records[start : start + config.prompts_per_call]
+    for chunk in _calls(records, config.prompts_per_call):
+        errors_before = (len(predictor.abs_errors), len(baseline) if baseline is not None else 0)
+        tail_before = out.tail_steps
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
         seqs = [s for g in groups for s in g.samples]
@@ -144,6 +210,13 @@ def simulate(
         out.generated_tokens += sum(s.num_generated for s in seqs)
         out.num_samples += len(seqs)
         out.lengths_preserved &= all(s.num_generated == s.length_limit for s in seqs)
+        out.calls.append(CallSummary(
+            epoch=chunk[0].epoch, decode_steps=stats.decode_steps, bound=oracle_bound([s.num_generated for s in seqs], config.slots),
+            tail_steps=out.tail_steps - tail_before, offloaded_blocks=c.offloaded_blocks,
+            errors=predictor.abs_errors[errors_before[0]:],
+            constant_errors=baseline[errors_before[1]:] if baseline is not None else [],
+        ))
+        remember_visits(history, groups, tokens=False)
     out.mean_active = active_sum / out.decode_steps if out.decode_steps else 0.0
     out.prediction_mae = predictor.mae
     return out

@@ -26,7 +26,7 @@ class BestOfNDrafter(Drafter):
 
     def __init__(self, draft_model=None, tail_batch: int = 4, **kwargs):
         super().__init__()
-        self.members: list[Drafter] = [SuffixDrafter(), NgramDrafter()]
+        self.members: list[Drafter] = [SuffixDrafter(**kwargs), NgramDrafter()]
         if draft_model is not None:
             from .draft_model import DraftModelDrafter
 

@@ -27,11 +27,11 @@ from .verify import Verified, verify_greedy, verify_sampling
 class Speculator:
     """Engine-lifetime state: the drafter name/options and the cost model (profiled once per model)."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, block_size: int):
+    def __init__(self, config: EngineConfig, device: torch.device, block_size: int, history=None):
         self.config = config
         self.device = device
         self.cost = CostModel()
-        self.extras: dict = {}
+        self.extras: dict = {"history": history}  # the engine's `PromptHistory` (drafts from earlier visits)
         if config.speculative_draft_model is not None:
             from .draft_model import load_draft_model
 

@@ -7,10 +7,17 @@ nodes of its suffixes of length 0..D (`active[d]` = node of its last d tokens), 
 every active node steps to (and counts) its child. A sample's deepest active node that has children is the longest
 earlier match of its own context; from there the draft follows the most frequent child while the path's confidence
 `prod_i count(child_i) / sum count(children of node_i)` stays above `min_confidence`.
+
+History (RhymeRL's HistoSpec, DAS, SPEC-RL): with the engine's `PromptHistory`, the tree also holds the prompt's
+completions from its earlier visits (earlier epochs), inserted when the group's tree is built. `sources` picks the
+texts: "siblings+history" (default), "siblings" (this call only) or "history" (earlier visits only: running
+samples are matched against the tree without being inserted). Drafts stay proposals: lossless whatever the source.
 """
 
 from __future__ import annotations
 
+from ..engine.config import SUFFIX_SOURCES
+from ..engine.history import PromptHistory
 from ..engine.sequence import Sequence
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
 
@@ -35,13 +42,29 @@ def _extend(root: _Node, active: list[_Node], token: int, max_depth: int) -> lis
     return new
 
 
+def _follow(root: _Node, active: list[_Node], token: int, max_depth: int) -> list[_Node]:
+    """Like `_extend` without inserting: the suffixes of the context that occur in the tree. A string occurs only
+    if its own suffixes do, so the matched depths are 0..m and the walk stops at the first missing child."""
+    new = [root]
+    for node in active[:max_depth]:
+        child = node.children.get(token)
+        if child is None:
+            break
+        new.append(child)
+    return new
+
+
 class _GroupTree:
-    def __init__(self, prompt: list[int], max_depth: int):
+    def __init__(self, prompt: list[int], max_depth: int, earlier: list = ()):
         self.root = _Node()
         self.max_depth = max_depth
         self.prompt_active = [self.root]
         for t in prompt:
             self.prompt_active = _extend(self.root, self.prompt_active, t, max_depth)
+        for completion in earlier:  # the prompt's completions from earlier visits continue the prompt
+            active = self.prompt_active
+            for t in completion:
+                active = _extend(self.root, active, t, max_depth)
         self.stopped = 0
 
 
@@ -49,16 +72,25 @@ class _GroupTree:
 class SuffixDrafter(Drafter):
     """Frequency-scored drafts from the group's shared suffix trie (prompt + all sibling completions)."""
 
-    def __init__(self, max_depth: int = 24, min_confidence: float = 0.1, min_match: int = 1, **_):
+    def __init__(self, max_depth: int = 24, min_confidence: float = 0.1, min_match: int = 1,
+                 history: PromptHistory | None = None, sources: str | None = None, config=None, **_):
         super().__init__()
         self.max_depth, self.min_confidence, self.min_match = max_depth, min_confidence, min_match
+        sources = sources or (config.speculative_suffix_sources if config is not None else "siblings+history")
+        if sources not in SUFFIX_SOURCES:
+            raise ValueError(f"`speculative_suffix_sources` must be one of {list(SUFFIX_SOURCES)}, got {sources!r}.")
+        self.history = history if "history" in sources else None
+        self.insert_own = "siblings" in sources
         self.trees: dict[int, _GroupTree] = {}
         self.active_nodes: dict[int, list[_Node]] = {}
+        self.history_texts = 0  # earlier completions indexed (counter for tests and benchmarks)
 
     def _tree(self, seq: Sequence) -> _GroupTree:
         tree = self.trees.get(seq.group_id)
         if tree is None:
-            tree = self.trees[seq.group_id] = _GroupTree(seq.group.prompt_ids, self.max_depth)
+            earlier = self.history.completions(seq.group.prompt_ids) if self.history is not None else []
+            self.history_texts += len(earlier)
+            tree = self.trees[seq.group_id] = _GroupTree(seq.group.prompt_ids, self.max_depth, earlier)
         return tree
 
     def _start(self, seq: Sequence) -> None:
@@ -67,8 +99,9 @@ class SuffixDrafter(Drafter):
 
     def update(self, seq: Sequence, tokens: list[int]) -> None:
         root, active = self.trees[seq.group_id].root, self.active_nodes[seq.seq_id]
+        step = _extend if self.insert_own else _follow
         for t in tokens:
-            active = _extend(root, active, t, self.max_depth)
+            active = step(root, active, t, self.max_depth)
         self.active_nodes[seq.seq_id] = active
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:

@@ -102,9 +102,10 @@ class InfiniteGRPOConfig(GRPOConfig):
     rollout_length_predictor: str | None = field(
         default=_default("length_predictor"),
         metadata={
-            "help": "Length predictor of the length-aware schedulers (`sjf`, `lfs`, `fptas`, `infinite`): `prefix` "
-            "(online regression head on the policy's hidden state at completion token k), `group` (finished "
-            "siblings), `none`. In Python code also a callable `(prompt_ids, prefix_ids) -> length` or a "
+            "help": "Length predictor of the length-aware schedulers (`sjf`, `lfs`, `lrf`, `fptas`, `infinite`): "
+            "`history` (the prompt's lengths on earlier steps, else finished siblings, else `prefix`, else the mean), "
+            "`prefix` (online regression head on the policy's hidden state at completion token k), `group` "
+            "(finished siblings), `none`. In Python code also a callable `(prompt_ids, prefix_ids) -> length` or a "
             "sequence-classification model."
         },
     )
@@ -142,6 +143,13 @@ class InfiniteGRPOConfig(GRPOConfig):
         default=_default("speculative_draft_model"),
         metadata={"help": "Draft model path (sharing the policy's tokenizer) for `draft_model` and `best_of_n`."},
     )
+    rollout_speculative_suffix_sources: str = field(
+        default=_default("speculative_suffix_sources"),
+        metadata={
+            "help": "Texts the `suffix` drafter matches: `siblings+history` (this step's siblings and the prompt's "
+            "completions from earlier steps), `siblings` or `history`."
+        },
+    )
     rollout_speculative_adaptive: bool = field(
         default=_default("speculative_adaptive"),
         metadata={
@@ -158,6 +166,28 @@ class InfiniteGRPOConfig(GRPOConfig):
             "one background thread, overlapping the decode steps on CPU too; reward functions then must not use "
             "signals (TRL's `accuracy_reward` silently disables its timeout there) and must be thread-safe."
         },
+    )
+    rollout_history_fallback: str = field(
+        default=_default("history_fallback"),
+        metadata={
+            "help": "`rollout_length_predictor=history`: what predicts a prompt not seen before, before the mean of "
+            "recent lengths: `none`, `siblings`, `prefix` or `siblings+prefix`."
+        },
+    )
+    rollout_history_max_prompts: int = field(
+        default=_default("history_max_prompts"),
+        metadata={
+            "help": "Per-prompt history kept across steps (GRPO revisits its prompts every epoch): the lengths and "
+            "completions of each prompt's last visits feed the `history` length predictor and the `suffix` "
+            "drafter. Most prompts kept (least recently visited dropped first); 0 = no history."
+        },
+    )
+    rollout_history_max_visits: int = field(
+        default=_default("history_max_visits"), metadata={"help": "Visits remembered per prompt (most recent)."}
+    )
+    rollout_history_max_tokens: int = field(
+        default=_default("history_max_tokens"),
+        metadata={"help": "Most completion token ids the history keeps for drafts; 0 = lengths only."},
     )
 
     def __post_init__(self) -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from ..history import PromptHistory
 from .base import AdmissionPolicy, SchedulePolicy
 from .predictors import LengthPredictor, make_predictor
 from .registry import BATCH_POLICIES, SCHEDULERS
 
 
-def build_predictor(length_predictor="prefix", prefix_k: int = 16) -> LengthPredictor:
-    """One predictor per engine (or simulated run): it keeps learning across `generate` calls."""
-    return make_predictor(length_predictor, prefix_k)
+def build_predictor(
+    length_predictor="prefix", prefix_k: int = 16, history: PromptHistory | None = None,
+    history_fallback: str = "none",
+) -> LengthPredictor:
+    """One predictor per engine (or simulated run): it keeps learning across `generate` calls and reads the
+    engine's per-prompt `history`."""
+    return make_predictor(length_predictor, prefix_k, history, history_fallback)
 
 
 def build_policies(

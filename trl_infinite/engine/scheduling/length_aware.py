@@ -7,7 +7,7 @@ tokens are probed first (they decode k+1 tokens, return to the queue with their 
 
 from __future__ import annotations
 
-from ..sequence import Sequence
+from ..sequence import Group, Sequence
 from .base import SchedulePolicy, SchedulerView
 from .fptas import fptas_partition
 from .predictors import GroupPredictor, LengthPredictor, make_predictor
@@ -33,16 +33,22 @@ class LengthAwarePolicy(SchedulePolicy):
         return self.predictor.estimate(seq) - seq.num_generated
 
     def chunk_limit(self, seq: Sequence) -> int | None:
-        """A run that started inside the prefix stops after token k+1 (the hidden state at token k is then known),
-        so the sample is ranked again with its prediction; its k+1 tokens and KV are kept."""
+        """A run that started inside the prefix with no estimate yet stops after token k+1 (the hidden state at
+        token k is then known), so the sample is ranked again with its prediction; its k+1 tokens and KV are kept.
+        A sample the predictor answers for without its prefix (history, finished siblings) is not stopped."""
         k = self.predictor.prefix_k
-        return k + 1 if k is not None and seq.chunk_start <= k else None
+        if k is None or seq.chunk_start > k or not self.predictor.needs_prefix(seq):
+            return None
+        return k + 1
 
     def split_probes(self, waiting: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         probes = [s for s in waiting if self.probing(s)]
         probes.sort(key=lambda s: (s.group_id, s.sample_idx))
         ids = {id(s) for s in probes}
         return probes, [s for s in waiting if id(s) not in ids]
+
+    def on_submit(self, groups: list[Group], sequences: list[Sequence]) -> None:
+        self.predictor.begin_call(groups)
 
     def on_finish(self, seq: Sequence) -> None:
         self.predictor.observe(seq)
@@ -161,3 +167,32 @@ class SeerPolicy(LengthAwarePolicy):
         spec.sort(key=lambda s: (s.num_generated, s.group_id))
         rest.sort(key=lambda s: (-self.predictor.estimate(s), -s.num_generated, s.group_id, s.sample_idx))
         return spec + rest
+
+
+@register_scheduler("lrf")
+class LRFPolicy(LengthAwarePolicy):
+    """Longest predicted *remaining* first (LPT on what is left): with divided rollout (`chunk_tokens`) a returning
+    sample is ranked by E[L - e | L > e], so samples about to end wait and fill the last slots, while samples that
+    outlived their prediction and fresh ones run first. Without chunks it orders like `lfs`."""
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        probes, rest = self.split_probes(view.waiting)
+        return probes + sorted(rest, key=lambda s: (-self.remaining(s), s.group_id, s.sample_idx))
+
+
+@register_scheduler("lfs_max")
+class LFSMaxPolicy(LengthAwarePolicy):
+    """Longest-known-prompt first: a prompt's samples are ranked by the longest completion known for it (its earlier
+    visits in the history, this call's finished siblings: Seer's L_g = max finished length, RhymeRL's history); a
+    prompt with neither is a potential long tail and goes first (`max_new_tokens`, as in Seer). Ties: returning
+    samples with more tokens first, then submission order. Needs no probe."""
+
+    def ordered(self, view: SchedulerView) -> list[Sequence]:
+        def key(s: Sequence) -> tuple:
+            known = self.predictor.longest_known(s)
+            return (-(s.max_new_tokens if known is None else known), -s.num_generated, s.group_id, s.sample_idx)
+
+        return sorted(view.waiting, key=key)
+
+    def chunk_limit(self, seq: Sequence) -> int | None:
+        return None

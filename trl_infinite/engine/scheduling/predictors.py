@@ -14,20 +14,37 @@ learn. Every prediction that was used is scored against the true length at finis
   callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face sequence-classification model (one regression
   logit) can replace the head. The k tokens are kept: decoding resumes at k+1. Before the head has seen `min_train`
   finished samples it falls back to the "group" estimate.
+- "history" (`history_predictor.py`): a prompt seen in earlier calls is predicted from its own past lengths, else
+  from finished siblings, else the prefix head, else the global mean (the default chain).
 - "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
+
+Predictors are built by name from `PredictorOptions` (`make_predictor`), one per engine, so they learn across calls;
+`begin_call(groups)` tells them a new `generate` call starts (group ids restart at 0 every call).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ...utils.registry import Registry
-from ..sequence import Sequence
+from ..history import PromptHistory
+from ..sequence import Group, Sequence
 from .ridge import OnlineRidge
 
 PREDICTORS: Registry[type] = Registry("length_predictor")
 register_predictor = PREDICTORS.register
+
+
+@dataclass
+class PredictorOptions:
+    """What a predictor built by name may use: `prefix_k` (completion tokens the prefix head reads), the engine's
+    per-prompt `history` (None: the predictor keeps none) and the "history" chain's `history_fallback`."""
+
+    prefix_k: int = 16
+    history: PromptHistory | None = None
+    history_fallback: str = "none"  # links of the "history" chain after the history itself
 
 
 class LengthPredictor:
@@ -41,8 +58,24 @@ class LengthPredictor:
     def __init__(self) -> None:
         self.abs_errors: list[float] = []
 
+    @classmethod
+    def from_options(cls, options: PredictorOptions) -> LengthPredictor:
+        """Build by registry name (subclasses that take options override this)."""
+        return cls()
+
+    def begin_call(self, groups: list[Group]) -> None:
+        """A `generate` call with these prompt groups starts (called by the length-aware policies)."""
+
     def predict(self, seq: Sequence) -> float | None:
         return None
+
+    def longest_known(self, seq: Sequence) -> float | None:
+        """The longest completion known for the sample's prompt (None: nothing known)."""
+        return None
+
+    def needs_prefix(self, seq: Sequence) -> bool:
+        """Whether the sample should decode its first `prefix_k` tokens before it is ranked (a probe)."""
+        return self.prefix_k is not None
 
     def observe(self, seq: Sequence) -> None:
         """A sample finished: score the prediction it was scheduled with, then learn from it."""
@@ -88,6 +121,9 @@ class GroupPredictor(LengthPredictor):
         super().__init__()
         self.finished: dict[int, list[int]] = {}
 
+    def begin_call(self, groups: list[Group]) -> None:
+        self.finished.clear()  # group ids restart every call: siblings are those of this call only
+
     def predict(self, seq: Sequence) -> float | None:
         done = self.finished.get(seq.group_id)
         return sum(done) / len(done) if done else None
@@ -97,6 +133,10 @@ class GroupPredictor(LengthPredictor):
         if new is not None:
             seq.extra["pred_len"], seq.extra["pred_source"] = new, self.name
         return max(float(seq.num_generated), new if new is not None else float(seq.max_new_tokens))
+
+    def longest_known(self, seq: Sequence) -> float | None:
+        done = self.finished.get(seq.group_id)
+        return float(max(done)) if done else None
 
     def observe(self, seq: Sequence) -> None:
         super().observe(seq)
@@ -119,6 +159,13 @@ class PrefixPredictor(LengthPredictor):
         self.head = OnlineRidge(l2)
         self.min_train = min_train
         self.fallback = GroupPredictor()
+
+    @classmethod
+    def from_options(cls, options: PredictorOptions) -> PrefixPredictor:
+        return cls(k=options.prefix_k)
+
+    def begin_call(self, groups: list[Group]) -> None:
+        self.fallback.begin_call(groups)
 
     def predict(self, seq: Sequence) -> float | None:
         if seq.num_generated < self.prefix_k:
@@ -164,11 +211,13 @@ def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
     return fn
 
 
-def make_predictor(spec, k: int = 16) -> LengthPredictor:
+def make_predictor(
+    spec, k: int = 16, history: PromptHistory | None = None, history_fallback: str = "none"
+) -> LengthPredictor:
     """`spec`: a registered name, a `LengthPredictor`, a callable or a sequence-classification model."""
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
-        cls = PREDICTORS.get_or_raise(spec)
-        return cls(k=k) if spec == "prefix" else cls()
+        options = PredictorOptions(prefix_k=k, history=history, history_fallback=history_fallback)
+        return PREDICTORS.get_or_raise(spec).from_options(options)
     return PrefixPredictor(k=k, fn=spec)

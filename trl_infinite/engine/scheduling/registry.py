@@ -14,7 +14,7 @@ register_batch_policy = BATCH_POLICIES.register
 
 
 def _load_builtins() -> None:
-    from . import admission, length_aware, policies  # noqa: F401  (registration side effect)
+    from . import admission, history_predictor, length_aware, policies  # noqa: F401  (registration side effect)
 
 
 _load_builtins()
