@@ -87,14 +87,38 @@ def test_invalid_values_raise_naming_the_field(tmp_path, overrides, field):
         cpu_args(tmp_path, **overrides)
 
 
-def test_hybrid_model_is_refused_when_the_trainer_is_built(tmp_path, tokenizer, dataset):
-    """A Mamba model fails the support contract at construction, naming the feature and `use_vllm=True`."""
+def test_hybrid_model_falls_back_to_trls_generation(tmp_path, tokenizer, dataset):
+    """A Mamba model fails the engine's support contract: the trainer says so once (naming the model type, the
+    feature and `use_vllm=True`) and generates with TRL's own path, as `GRPOTrainer` would."""
     from conftest import token_sum_reward
 
     from trl_infinite.trainer import InfiniteGRPOTrainer
     from trl_infinite.utils.tiny_configs import build_tiny_model
 
     model = build_tiny_model("mamba", vocab_size=len(tokenizer))
-    with pytest.raises(ValueError, match="`mamba`.*linear_attention.*use_vllm=True"):
-        InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),
-                            train_dataset=dataset, processing_class=tokenizer)
+    with pytest.warns(UserWarning, match="TRL's own path.*`mamba`.*linear_attention.*use_vllm=True"):
+        trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),
+                                      train_dataset=dataset, processing_class=tokenizer)
+    assert not trainer.uses_engine
+
+
+def test_model_refused_by_the_engine_contract_trains_with_trls_generation(tmp_path, tokenizer, dataset):
+    """BLOOM passes the structural check at construction but computes attention in its own modules: the routing
+    probe refuses it when the engine is built (first rollout); that rollout and every later one run TRL's own
+    `generate`, with one warning naming the reason, and training proceeds."""
+    import torch
+    from conftest import token_sum_reward
+
+    from trl_infinite.trainer import InfiniteGRPOTrainer
+    from trl_infinite.utils.tiny_configs import build_tiny_model
+
+    model = build_tiny_model("bloom", vocab_size=len(tokenizer))
+    trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),
+                                  train_dataset=dataset, processing_class=tokenizer)
+    assert trainer.uses_engine
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.warns(UserWarning, match="TRL's own path.*`bloom`.*use_vllm=True") as record:
+        trainer.train()
+    assert len([w for w in record if "TRL's own path" in str(w.message)]) == 1
+    assert not trainer.uses_engine and "rollout/decode_steps" not in trainer.state.log_history[0]
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())

@@ -4,5 +4,7 @@ from .config import EngineConfig, SamplingParams
 from .engine import RolloutEngine
 from .kv_pool import KVCachePool
 from .outputs import RolloutResult, RolloutStats
+from .support import UnsupportedModelError
 
-__all__ = ["EngineConfig", "KVCachePool", "RolloutEngine", "RolloutResult", "RolloutStats", "SamplingParams"]
+__all__ = ["EngineConfig", "KVCachePool", "RolloutEngine", "RolloutResult", "RolloutStats", "SamplingParams",
+           "UnsupportedModelError"]

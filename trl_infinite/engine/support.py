@@ -64,8 +64,12 @@ def model_name(model: torch.nn.Module) -> str:
     return f"`{getattr(config, 'model_type', '?')}` ({type(model).__name__})"
 
 
-def refusal(model: torch.nn.Module, feature: str) -> ValueError:
-    return ValueError(
+class UnsupportedModelError(ValueError):
+    """The engine cannot run this model exactly (the message names the model type and the feature)."""
+
+
+def refusal(model: torch.nn.Module, feature: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
         f"The rollout engine cannot run {model_name(model)} exactly: {feature}. Generate with vLLM instead "
         f"(`use_vllm=True` in the trainer) or with `model.generate`."
     )

@@ -17,7 +17,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
 from ..engine import RolloutEngine
-from ..engine.support import check_structure
+from ..engine.support import UnsupportedModelError, check_structure
 from .backprop import make_micro_batches
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
@@ -59,16 +59,22 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             self.engine_fallback_reasons = engine_fallback_reasons(
                 self.model, self.generation_config, self._dist, self.args.ds3_gather_for_generation
             )
-        if self.engine_fallback_reasons:
-            warnings.warn(
-                "InfiniteGRPOTrainer generates with TRL's own path (transformers `generate`) instead of the rollout "
-                f"engine: {'; '.join(self.engine_fallback_reasons)}. Streamed rewards and length-bucketed micro "
-                "batches still apply.",
-                UserWarning,
-                stacklevel=2,
-            )
         if self.uses_engine:
-            check_structure(self.model)  # hybrids / SSMs refused now; the full contract runs when the engine is built
+            try:  # hybrids / SSMs are known now; the full contract runs when the engine is built
+                check_structure(self.model)
+            except UnsupportedModelError as err:
+                self.engine_fallback_reasons.append(str(err))
+        if self.engine_fallback_reasons:
+            self._warn_fallback(stacklevel=3)
+
+    def _warn_fallback(self, stacklevel: int) -> None:
+        warnings.warn(
+            "InfiniteGRPOTrainer generates with TRL's own path (transformers `generate`) instead of the rollout "
+            f"engine: {'; '.join(self.engine_fallback_reasons)}. Streamed rewards and length-bucketed micro "
+            "batches still apply.",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
     @property
     def uses_engine(self) -> bool:
@@ -116,6 +122,12 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed)
                 engine = self._get_engine(model)
                 completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, on_row_finished)
+        except UnsupportedModelError as err:  # the full support contract failed: TRL's own (exact) generation
+            self._stream_slot.close()  # nothing was generated: TRL's path scores the batch after generation
+            self.engine_fallback_reasons.append(str(err))
+            self._warn_fallback(stacklevel=2)
+            return self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                              has_tool_images)
         finally:
             bar.close()
         if stream is not None:
