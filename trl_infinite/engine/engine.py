@@ -20,7 +20,7 @@ from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .scheduling.factory import build_policies, build_predictor
+from .scheduling.factory import policies_from_config, predictor_from_config
 from .sequence import Group, Sequence, make_group
 from .static_decode import StaticDecoder, static_step_bytes
 from .support import check_support
@@ -57,8 +57,7 @@ class RolloutEngine:
             self.config.history_max_prompts, self.config.history_max_visits, self.config.history_max_tokens
         )
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k, self.history,
-                                         self.config.history_fallback)
+        self.predictor = predictor_from_config(self.config, self.history)
         self.speculator = None
         if self.config.speculative_method is not None:
             from ..spec_decode import Speculator
@@ -137,10 +136,7 @@ class RolloutEngine:
         seqs = [s for g in groups for s in g.samples]
         self.pool.reset()
         cfg = self.config
-        policy, admission = build_policies(
-            cfg.scheduler, cfg.batch_policy, self.predictor, num_slots=cfg.slot_limit,
-            fptas_epsilon=cfg.fptas_epsilon, sla_decode_ms=cfg.sla_decode_ms, max_batch=cfg.max_active_sequences,
-        )
+        policy, admission = policies_from_config(cfg, self.predictor)
         scheduler = Scheduler(
             self.pool.allocator, policy, admission, cfg.sampling_mode, cfg.slot_limit, cfg.chunk_tokens
         )

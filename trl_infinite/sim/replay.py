@@ -189,8 +189,8 @@ def simulate(
         seqs = [s for g in groups for s in g.samples]
         allocator = BlockAllocator(_pool_blocks(chunk, config, max_new), config.block_size)
         slot_limit = None if config.sampling_mode in ("full_group", "dynamic_slot") else config.slots
-        policy, admission = build_policies(config.scheduler, config.batch_policy, predictor, num_slots=config.slots,
-                                           fptas_epsilon=config.fptas_epsilon)
+        policy, admission = build_policies(config.scheduler, config.batch_policy, predictor,
+                                           num_slots=config.slots, fptas_epsilon=config.fptas_epsilon)
         sched = Scheduler(allocator, policy, admission, config.sampling_mode, slot_limit, config.chunk_tokens)
         sched.submit(groups, seqs)
         uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden

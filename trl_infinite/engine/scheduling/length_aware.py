@@ -7,21 +7,22 @@ tokens are probed first (they decode k+1 tokens, return to the queue with their 
 
 from __future__ import annotations
 
+from ..plugins import register_scheduler
 from ..sequence import Group, Sequence
-from .base import SchedulePolicy, SchedulerView
+from .base import PolicyOptions, SchedulePolicy, SchedulerView
 from .fptas import fptas_partition
 from .predictors import GroupPredictor, LengthPredictor, make_predictor
-from .registry import register_scheduler
 
 
 class LengthAwarePolicy(SchedulePolicy):
-    """Options: `predictor` (a `LengthPredictor`, shared across calls so it keeps learning) or `length_predictor`
-    (name / callable) with `prefix_k`; `num_slots` (g) for plans; `fptas_epsilon`."""
+    """`predictor`: a `LengthPredictor`, shared across calls so it keeps learning (None: "none")."""
 
-    def __init__(self, predictor: LengthPredictor | None = None, **options) -> None:
-        super().__init__(**options)
-        self.predictor = predictor or make_predictor(options.get("length_predictor", "none"),
-                                                     options.get("prefix_k", 16))
+    def __init__(self, predictor: LengthPredictor | None = None) -> None:
+        self.predictor = predictor or make_predictor("none")
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> LengthAwarePolicy:
+        return cls(options.predictor)
 
     # -- helpers
     def probing(self, seq: Sequence) -> bool:
@@ -83,11 +84,16 @@ class FPTASPolicy(LengthAwarePolicy):
 
     steal = False
 
-    def __init__(self, **options) -> None:
-        super().__init__(**options)
-        self.num_slots = options.get("num_slots")
-        self.eps = options.get("fptas_epsilon", 0.1)
+    def __init__(self, predictor: LengthPredictor | None = None, num_slots: int | None = None,
+                 fptas_epsilon: float = 0.1) -> None:
+        super().__init__(predictor)
+        self.num_slots = num_slots
+        self.eps = fptas_epsilon
         self.num_bins = 0
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> FPTASPolicy:
+        return cls(options.predictor, options.num_slots, options.fptas_epsilon)
 
     def plan(self, waiting: list[Sequence]) -> None:
         if self.num_bins or not waiting or any(self.probing(s) for s in waiting):
@@ -157,9 +163,8 @@ class SeerPolicy(LengthAwarePolicy):
     length first (SFS); the others go largest group estimate L_g first (LFS), L_g from finished siblings
     (`max_new_tokens` until one finishes). Pair with `chunk_tokens` for divided rollout."""
 
-    def __init__(self, **options) -> None:
-        options["predictor"] = GroupPredictor()  # Seer's estimate is the group's own, learnt within the call
-        super().__init__(**options)
+    def __init__(self, predictor: LengthPredictor | None = None) -> None:
+        super().__init__(GroupPredictor())  # Seer's estimate is the group's own, learnt within the call
 
     def ordered(self, view: SchedulerView) -> list[Sequence]:
         spec = [s for s in view.waiting if s.sample_idx == 0]

@@ -28,13 +28,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...utils.registry import Registry
 from ..history import PromptHistory
+from ..plugins import PREDICTORS, register_predictor
 from ..sequence import Group, Sequence
 from .ridge import OnlineRidge
-
-PREDICTORS: Registry[type] = Registry("length_predictor")
-register_predictor = PREDICTORS.register
 
 
 @dataclass
