@@ -165,7 +165,7 @@ class RolloutEngine:
         processors = GenerationProcessors(self.model, sampling, self.device) if sampling.generation_kwargs else None
         sampler = Sampler(sampling, processors)
         uses = getattr(policy, "predictor", None) is self.predictor and self.predictor.wants_hidden
-        prefix = PrefixCapture(self.predictor.prefix_k) if uses else None
+        prefix = PrefixCapture(self.predictor) if uses else None
         decoder = None  # extra processors run eagerly, row by row: the static step runs the built-in ones only
         if not sampler.has_extra_processors:
             bs, decoder = self.config.block_size, self.decoder

@@ -216,7 +216,6 @@ class Scheduler:
         seq.admit_order = self._admit_counter
         seq.chunk_start = seq.num_generated
         self._admit_counter += 1
-        group.num_running += 1
         self.waiting.remove(seq)
         self.running.append(seq)
         if seq.num_generated > 1 and not resumed:
@@ -225,7 +224,7 @@ class Scheduler:
     # ------------------------------------------------------------------ divided rollout
     def _resume_kv(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> bool:
         """A parked sample comes back with its KV: still in the pool, or copied back from the host tier."""
-        host = seq.extra.pop("host_blocks", 0)
+        host, seq.host_blocks = seq.host_blocks, 0
         if not seq.blocks and not host:
             return False
         extra = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
@@ -247,7 +246,6 @@ class Scheduler:
     def park(self, seq: Sequence) -> None:
         """Return a running sample to the queue keeping its KV blocks (it resumes with no recompute)."""
         seq.status = SeqStatus.WAITING
-        seq.group.num_running -= 1
         self.running.remove(seq)
         self.waiting.append(seq)
         self.counters.parks += 1
@@ -259,7 +257,7 @@ class Scheduler:
             return False
         seq = max(parked, key=lambda s: len(s.blocks))
         self._swap_out.append((seq, list(seq.blocks)))
-        seq.extra["host_blocks"] = len(seq.blocks)
+        seq.host_blocks = len(seq.blocks)
         self.counters.offloaded_blocks += len(seq.blocks)
         self.allocator.free(seq.blocks)
         seq.blocks = []
@@ -272,7 +270,6 @@ class Scheduler:
         seq.blocks = []
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
-        seq.group.num_running -= 1
         self.running.remove(seq)
         self.waiting.append(seq)
         self.counters.preemptions += 1
@@ -288,12 +285,10 @@ class Scheduler:
         seq.blocks = []
         group = seq.group
         if seq.status is SeqStatus.RUNNING:
-            group.num_running -= 1
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        group.num_finished += 1
         self.finished.append(seq)
         if group.done and group.resident:
             self.allocator.free(group.prompt_blocks)

@@ -110,10 +110,12 @@ def oracle_bound(lengths: list[int], slots: int) -> int:
 
 class TraceExecutor:
     """Plays the model for the drive loop. `features[(prompt_index, sample_idx)]` (optional) is the hidden state at
-    completion token k, handed to the predictor exactly when the engine would (the row's input is token k)."""
+    completion token k, handed to `predictor.observe_hidden` exactly when the engine would (the row's input is
+    token k); `predictor` None: nothing is delivered."""
 
-    def __init__(self, prefix_k: int | None, features: dict | None, prompt_index: dict[int, int]):
-        self.prefix_k = prefix_k
+    def __init__(self, predictor: LengthPredictor | None, features: dict | None, prompt_index: dict[int, int]):
+        self.predictor = predictor
+        self.prefix_k = predictor.prefix_k if predictor is not None else None
         self.features = features or {}
         self.prompt_index = prompt_index  # group_id -> the trace's prompt index
 
@@ -134,7 +136,7 @@ class TraceExecutor:
             if seq.num_generated == self.prefix_k:
                 feat = self.features.get((self.prompt_index[seq.group_id], seq.sample_idx))
                 if feat is not None:
-                    seq.extra["prefix_hidden"] = feat
+                    self.predictor.observe_hidden(seq, feat)
         out.tokens = [[0] for _ in batch.decode]
         out.logprobs = [[0.0] for _ in batch.decode]
         return out
@@ -194,7 +196,7 @@ def simulate(
         sched = Scheduler(allocator, policy, admission, config.sampling_mode, slot_limit, config.chunk_tokens)
         sched.submit(groups, seqs)
         uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden
-        executor = TraceExecutor(predictor.prefix_k if uses else None, features,
+        executor = TraceExecutor(predictor if uses else None, features,
                                  {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)})
         stats = RolloutStats()
         drive(sched, executor, stats)

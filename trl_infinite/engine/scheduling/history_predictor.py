@@ -150,6 +150,9 @@ class HistoryPredictor(LengthPredictor):
         known = ([past.xs[-1]] if len(past) else []) + done
         return float(max(known)) if known else None
 
+    def observe_hidden(self, seq: Sequence, hidden) -> None:
+        self.prefix.observe_hidden(seq, hidden)
+
     def needs_prefix(self, seq: Sequence) -> bool:
         """With the prefix link, only samples that no earlier link answers for probe the prefix."""
         return self.prefix_k is not None and self.predict_with_source(seq)[1] in ("prefix", "global")

@@ -90,6 +90,11 @@ class FPTASPolicy(LengthAwarePolicy):
         self.num_slots = num_slots
         self.eps = fptas_epsilon
         self.num_bins = 0
+        # side tables by seq_id (this policy lives for one call)
+        self.planned: dict[int, tuple[int, int]] = {}  # (bin, position in the bin) of the plan
+        self.slot: dict[int, int] = {}  # slot (bin) a running sample occupies
+        self.next_slot: dict[int, int] = {}  # slot a sample was picked for, committed once it is admitted
+        self.slot_order: dict[int, int] = {}  # `admit_order` of the admission the slot was committed for
 
     @classmethod
     def from_options(cls, options: PolicyOptions) -> FPTASPolicy:
@@ -103,21 +108,21 @@ class FPTASPolicy(LengthAwarePolicy):
         plan, _ = fptas_partition(costs, self.num_bins, self.eps)
         for b, items in enumerate(plan):
             for pos, i in enumerate(items):
-                waiting[i].extra["plan"] = (b, pos)
-                waiting[i].extra["slot"] = b
+                self.planned[waiting[i].seq_id] = (b, pos)
+                self.slot[waiting[i].seq_id] = b
 
     def pick(self, own: list[Sequence]) -> Sequence:
-        return min(own, key=lambda s: s.extra["plan"][1])
+        return min(own, key=lambda s: self.planned[s.seq_id][1])
 
     def ordered(self, view: SchedulerView) -> list[Sequence]:
         self.plan(view.waiting)
         probes, rest = self.split_probes(view.waiting)
         if not self.num_bins:
             return probes + sorted(rest, key=lambda s: (s.group_id, s.sample_idx))
-        busy = {s.extra.get("slot") for s in view.running}
+        busy = {self.slot.get(s.seq_id) for s in view.running}
         pending: dict[int, list[Sequence]] = {}
         for s in rest:
-            pending.setdefault(s.extra["plan"][0] if "plan" in s.extra else -1, []).append(s)
+            pending.setdefault(self.planned[s.seq_id][0] if s.seq_id in self.planned else -1, []).append(s)
         picks: list[Sequence] = list(pending.pop(-1, []))  # submitted after the plan: any free slot
         taken: set[int] = set()
         for b in range(self.num_bins):
@@ -133,16 +138,16 @@ class FPTASPolicy(LengthAwarePolicy):
                 seq = min(pool, key=lambda s: (self.remaining(s), s.group_id, s.sample_idx))
             else:
                 continue
-            seq.extra["next_slot"] = b
+            self.next_slot[seq.seq_id] = b
             taken.add(id(seq))
             picks.append(seq)
         return probes + picks
 
     def on_step(self, view: SchedulerView) -> None:
         for s in view.running:  # commit the slot a sample was admitted into
-            if s.extra.get("slot_order") != s.admit_order and "next_slot" in s.extra:
-                s.extra["slot"] = s.extra.pop("next_slot")
-                s.extra["slot_order"] = s.admit_order
+            if self.slot_order.get(s.seq_id) != s.admit_order and s.seq_id in self.next_slot:
+                self.slot[s.seq_id] = self.next_slot.pop(s.seq_id)
+                self.slot_order[s.seq_id] = s.admit_order
 
 
 @register_scheduler("infinite")

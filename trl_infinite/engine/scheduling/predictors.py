@@ -9,7 +9,7 @@ learn. Every prediction that was used is scored against the true length at finis
   has finished.
 - "prefix" (Infinite Sampling §4): after the first k completion tokens, a regression head on a feature vector of the
   prompt + prefix. The default features are the policy model's own last hidden state at completion token k (the
-  engine / simulator put it in `seq.extra["prefix_hidden"]`); the head is an online ridge regression on log-length,
+  engine / simulator deliver it through `observe_hidden`); the head is an online ridge regression on log-length,
   refitted from the samples that finished, its penalty chosen by leave-one-prompt-out error (`ridge.py`). A user
   callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face sequence-classification model (one regression
   logit) can replace the head. The k tokens are kept: decoding resumes at k+1. Before the head has seen `min_train`
@@ -54,6 +54,8 @@ class LengthPredictor:
 
     def __init__(self) -> None:
         self.abs_errors: list[float] = []
+        # seq_id -> the prediction the sample is ranked with (side table, popped when the sample finishes)
+        self.predictions: dict[int, float] = {}
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> LengthPredictor:
@@ -70,14 +72,18 @@ class LengthPredictor:
         """The longest completion known for the sample's prompt (None: nothing known)."""
         return None
 
+    def observe_hidden(self, seq: Sequence, hidden) -> None:
+        """The policy's last hidden state (numpy [hidden_size]) at the input of completion token `prefix_k`, delivered
+        by the executor (the simulator: a recorded one) when `wants_hidden`."""
+
     def needs_prefix(self, seq: Sequence) -> bool:
         """Whether the sample should decode its first `prefix_k` tokens before it is ranked (a probe)."""
         return self.prefix_k is not None
 
     def observe(self, seq: Sequence) -> None:
         """A sample finished: score the prediction it was scheduled with, then learn from it."""
-        pred = seq.extra.get("pred_len")
-        if pred is not None and seq.extra.get("pred_source") == self.name:
+        pred = self.predictions.pop(seq.seq_id, None)
+        if pred is not None:
             self.abs_errors.append(abs(pred - seq.num_generated))
 
     @property
@@ -86,17 +92,16 @@ class LengthPredictor:
 
     def estimate(self, seq: Sequence) -> float:
         """The cached prediction (computed once it is available), else `max_new_tokens` (conservative)."""
-        pred = seq.extra.get("pred_len")
-        if pred is None or seq.extra.get("pred_source") != self.name:
+        pred = self.predictions.get(seq.seq_id)
+        if pred is None:
             new = self.predict(seq)
             if new is not None:
-                seq.extra["pred_len"], seq.extra["pred_source"] = float(new), self.name
-                pred = float(new)
+                pred = self.predictions[seq.seq_id] = float(new)
         return max(float(seq.num_generated), pred if pred is not None else float(seq.max_new_tokens))
 
     def has_estimate(self, seq: Sequence) -> bool:
         self.estimate(seq)
-        return seq.extra.get("pred_source") == self.name
+        return seq.seq_id in self.predictions
 
 
 @register_predictor("none")
@@ -128,7 +133,7 @@ class GroupPredictor(LengthPredictor):
     def estimate(self, seq: Sequence) -> float:
         new = self.predict(seq)  # L_g moves as siblings finish: never cached
         if new is not None:
-            seq.extra["pred_len"], seq.extra["pred_source"] = new, self.name
+            self.predictions[seq.seq_id] = new
         return max(float(seq.num_generated), new if new is not None else float(seq.max_new_tokens))
 
     def longest_known(self, seq: Sequence) -> float | None:
@@ -156,6 +161,7 @@ class PrefixPredictor(LengthPredictor):
         self.head = OnlineRidge(l2)
         self.min_train = min_train
         self.fallback = GroupPredictor()
+        self.features: dict = {}  # seq_id -> hidden state at token k (numpy), popped when the sample finishes
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> PrefixPredictor:
@@ -169,21 +175,24 @@ class PrefixPredictor(LengthPredictor):
             return None
         if self.fn is not None:
             return self.fn(list(seq.group.prompt_ids), list(seq.output_ids[: self.prefix_k]))
-        feat = seq.extra.get("prefix_hidden")
+        feat = self.features.get(seq.seq_id)
         if feat is None or len(self.head) < self.min_train:
             return None
         return float(min(seq.max_new_tokens, max(self.prefix_k, math.exp(self.head(feat)))))
 
     def estimate(self, seq: Sequence) -> float:
         est = super().estimate(seq)
-        if seq.extra.get("pred_source") != self.name:
-            est = self.fallback.estimate(seq)  # the fallback caches under its own name
+        if seq.seq_id not in self.predictions:
+            est = self.fallback.estimate(seq)  # the fallback keeps its own table
         return est
+
+    def observe_hidden(self, seq: Sequence, hidden) -> None:
+        self.features[seq.seq_id] = hidden
 
     def observe(self, seq: Sequence) -> None:
         super().observe(seq)
         self.fallback.observe(seq)
-        feat = seq.extra.get("prefix_hidden")
+        feat = self.features.pop(seq.seq_id, None)
         if self.fn is None and feat is not None:
             # group = the prompt: the head's penalty is chosen by its error on prompts it has not seen
             self.head.add(feat, math.log(max(1, seq.num_generated)), group=hash(tuple(seq.group.prompt_ids)))
