@@ -151,7 +151,7 @@ class RolloutEngine:
             drive(scheduler, executor, stats, on_finished=finished, on_decode_step=on_decode_step)
         finally:
             self.decoder.end()
-        self._fill_stats(stats, scheduler, seqs, start)
+        self._fill_stats(stats, start)
         remember_visits(self.history, groups)
         return RolloutResult(
             completion_ids=[s.output_ids for s in seqs],
@@ -190,16 +190,8 @@ class RolloutEngine:
             for i, p in enumerate(prompt_ids)
         ]
 
-    def _fill_stats(self, stats: RolloutStats, scheduler: Scheduler, seqs: list[Sequence], start: float) -> None:
-        c = scheduler.counters
-        stats.generated_tokens = sum(s.num_generated for s in seqs)
-        stats.peak_active_sequences = c.peak_running
-        stats.mean_active_sequences = c.mean_running
-        stats.peak_kv_blocks = self.pool.allocator.peak_used
-        stats.kv_utilization = self.pool.allocator.mean_utilization
-        stats.preemptions = c.preemptions
-        stats.prompt_evictions = c.prompt_evictions
-        stats.offloaded_blocks = c.offloaded_blocks
+    def _fill_stats(self, stats: RolloutStats, start: float) -> None:
+        """The engine's own counters (the scheduler's were recorded by `drive`)."""
         if self.predictor.mae is not None:
             stats.extra["length_prediction_mae"] = self.predictor.mae
         if self.decoder.graph_bytes:

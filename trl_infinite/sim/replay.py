@@ -185,7 +185,6 @@ def simulate(
     active_sum = 0
     for chunk in _calls(records, config.prompts_per_call):
         errors_before = (len(predictor.abs_errors), len(baseline) if baseline is not None else 0)
-        tail_before = out.tail_steps
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
         seqs = [s for g in groups for s in g.samples]
@@ -200,21 +199,20 @@ def simulate(
                                  {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)})
         stats = RolloutStats()
         drive(sched, executor, stats)
-        c = sched.counters
         out.per_call_steps.append(stats.decode_steps)
         out.decode_steps += stats.decode_steps
         out.tail_steps += stats.tail_decode_steps
-        active_sum += c.running_sum
-        out.peak_kv_blocks = max(out.peak_kv_blocks, allocator.peak_used)
-        out.num_kv_blocks = allocator.num_blocks
-        out.preemptions += c.preemptions
-        out.offloaded_blocks += c.offloaded_blocks
-        out.generated_tokens += sum(s.num_generated for s in seqs)
+        active_sum += sched.counters.running_sum
+        out.peak_kv_blocks = max(out.peak_kv_blocks, stats.peak_kv_blocks)
+        out.num_kv_blocks = stats.num_kv_blocks
+        out.preemptions += stats.preemptions
+        out.offloaded_blocks += stats.offloaded_blocks
+        out.generated_tokens += stats.generated_tokens
         out.num_samples += len(seqs)
         out.lengths_preserved &= all(s.num_generated == s.length_limit for s in seqs)
         out.calls.append(CallSummary(
             epoch=chunk[0].epoch, decode_steps=stats.decode_steps, bound=oracle_bound([s.num_generated for s in seqs], config.slots),
-            tail_steps=out.tail_steps - tail_before, offloaded_blocks=c.offloaded_blocks,
+            tail_steps=stats.tail_decode_steps, offloaded_blocks=stats.offloaded_blocks,
             errors=predictor.abs_errors[errors_before[0]:],
             constant_errors=baseline[errors_before[1]:] if baseline is not None else [],
         ))
