@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from .attention import Segment
+from .batch import ScheduledBatch, StepOutput
 from .kv_pool import KVCachePool
 from .model_runner import ModelRunner, chunk_segments, last_rows
 from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seen_mask
-from .scheduler import ScheduledBatch, StepOutput
 from .scheduling.predictors import LengthPredictor
 from .sequence import Group, Sequence
 from .static_decode import Decoded, StaticDecoder

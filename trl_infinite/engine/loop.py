@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .batch import ScheduledBatch, StepOutput
 from .outputs import RolloutStats
-from .scheduler import ScheduledBatch, Scheduler, StepOutput
+from .scheduler import Scheduler
 from .sequence import Sequence
 
 TAIL_FRACTION = 0.9  # decode steps taken once this fraction of the samples has finished count as tail steps

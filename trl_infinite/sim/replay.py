@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.batch import ScheduledBatch, StepOutput
 from ..engine.block_manager import BlockAllocator, blocks_for
 from ..engine.history import PromptHistory, remember_visits
 from ..engine.loop import drive
 from ..engine.outputs import RolloutStats
-from ..engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from ..engine.scheduler import Scheduler
 from ..engine.scheduling.factory import build_policies, build_predictor
 from ..engine.scheduling.predictors import LengthPredictor
 from ..engine.sequence import Group, make_group

@@ -14,10 +14,10 @@ import time
 import torch
 
 from ..engine.attention import Segment
+from ..engine.batch import ScheduledBatch
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.executor import StepContext
 from ..engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, row_keys, seen_mask
-from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
 from .drafter import EMPTY, Drafter, Proposal, build_drafter

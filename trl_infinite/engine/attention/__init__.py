@@ -89,18 +89,24 @@ def attention_configs(model: torch.nn.Module) -> list:
 
 
 @contextmanager
-def paged_attention(model: torch.nn.Module, configs: list | None = None) -> Iterator[None]:
-    """Route the model's attention through the pool for the duration of the block, then restore it.
-    Pass `configs` (from `attention_configs`) to skip walking the module tree on every forward."""
+def attention_implementation(model: torch.nn.Module, name: str, configs: list | None = None) -> Iterator[None]:
+    """Run the model's attention layers with the registered attention function `name` for the duration of the
+    block, then restore each config's own. Pass `configs` (from `attention_configs`) to skip walking the module
+    tree."""
     configs = attention_configs(model) if configs is None else configs
     saved = [c._attn_implementation_internal for c in configs]
     try:
         for c in configs:
-            c._attn_implementation_internal = PAGED_ATTENTION_NAME
+            c._attn_implementation_internal = name
         yield
     finally:
         for c, impl in zip(configs, saved):
             c._attn_implementation_internal = impl
+
+
+def paged_attention(model: torch.nn.Module, configs: list | None = None):
+    """Route the model's attention through the pool for the duration of the block (a context manager)."""
+    return attention_implementation(model, PAGED_ATTENTION_NAME, configs)
 
 
 __all__ = [
@@ -114,6 +120,7 @@ __all__ = [
     "PagedContext",
     "allowed",
     "attention_configs",
+    "attention_implementation",
     "Segment",
     "build_metadata",
     "decode_metadata",
