@@ -87,3 +87,30 @@ def test_registry_refuses_a_duplicate_unless_replacing():
         SCHEDULERS.register("fifo")(type("Mine", (), {}))
     with pytest.raises(ValueError, match="`thing` must be one of \\['a', 'lazy_one'\\], got 'b'"):
         reg.get_or_raise("b")
+
+
+def test_drafter_and_predictor_options_reach_the_plugins():
+    cfg = EngineConfig(speculative_method="best_of_n", speculative_ngram_max_n=6, speculative_ngram_min_n=3,
+                       speculative_suffix_max_depth=9, speculative_suffix_min_confidence=0.3,
+                       speculative_suffix_min_match=2, speculative_best_of_n_tail_batch=7)
+    drafter = Speculator(cfg, CPU, cfg.block_size).build_drafter(SamplingParams(max_new_tokens=8))
+    suffix, ngram = drafter.members
+    assert (suffix.max_depth, suffix.min_confidence, suffix.min_match) == (9, 0.3, 2)
+    assert (ngram.max_n, ngram.min_n, drafter.tail_batch) == (6, 3, 7)
+    cfg = EngineConfig(length_predictor="history", history_fallback="prefix", prefix_predictor_k=5,
+                       prefix_predictor_min_train=3, prefix_predictor_l2=0.5, history_mean_window=11)
+    pred = predictor_from_config(cfg)
+    assert (pred.prefix.prefix_k, pred.prefix.min_train, pred.prefix.head.l2, pred.recent.maxlen) == (5, 3, 0.5, 11)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(memory_eps=1.0), "memory_eps"), (dict(memory_min_observations=0), "memory_min_observations"),
+    (dict(sla_window=0), "sla_window"), (dict(sla_alpha=0), "sla_alpha"), (dict(sla_tolerance_ms=-1), "sla_tolerance_ms"),
+    (dict(batch_policy="sla", sla_decode_ms=5.0, sla_min_batch=64, max_active_sequences=8), "sla_min_batch"),
+    (dict(speculative_ngram_min_n=3, speculative_ngram_max_n=2), "speculative_ngram_max_n"),
+    (dict(speculative_suffix_min_confidence=1.5), "speculative_suffix_min_confidence"),
+    (dict(prefix_predictor_min_train=0), "prefix_predictor_min_train"), (dict(history_mean_window=0), "history_mean_window"),
+])
+def test_plugin_options_are_validated_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        EngineConfig(**kwargs)

@@ -83,6 +83,13 @@ class EngineConfig:
                   "length, or a sequence-classification model."},
     )
     prefix_predictor_k: int = field(default=16, metadata={"help": "k: prefix tokens the 'prefix' predictor reads."})
+    prefix_predictor_min_train: int = field(
+        default=8, metadata={"help": "'prefix' predictor: finished samples its head needs before it predicts."}
+    )
+    prefix_predictor_l2: float | None = field(
+        default=None, metadata={"help": "'prefix' predictor: ridge penalty of its head (None = chosen by "
+                                "leave-one-prompt-out error)."}
+    )
     fptas_epsilon: float = field(default=0.1, metadata={"help": "FPTAS tolerance: plan <= (1 + eps) * optimum."})
     chunk_tokens: int | None = field(
         default=None,
@@ -132,6 +139,22 @@ class EngineConfig:
         metadata={"help": f"Texts the 'suffix' drafter matches: one of {list(SUFFIX_SOURCES)} ('history' = the "
                   "prompt's completions from earlier calls, kept in the engine's per-prompt history)."},
     )
+    speculative_ngram_max_n: int = field(default=4, metadata={"help": "'ngram' drafter: longest n-gram matched."})
+    speculative_ngram_min_n: int = field(default=2, metadata={"help": "'ngram' drafter: shortest n-gram matched."})
+    speculative_suffix_max_depth: int = field(
+        default=24, metadata={"help": "'suffix' drafter: depth of its suffix trie (longest match and draft)."}
+    )
+    speculative_suffix_min_confidence: float = field(
+        default=0.1, metadata={"help": "'suffix' drafter: a draft stops where the product of its tokens' "
+                             "frequency shares falls below this."}
+    )
+    speculative_suffix_min_match: int = field(
+        default=1, metadata={"help": "'suffix' drafter: shortest matched context (tokens) that may draft."}
+    )
+    speculative_best_of_n_tail_batch: int = field(
+        default=4, metadata={"help": "'best_of_n' drafter: batch size at or below which costly members "
+                            "(a draft model) draft for every sample (the tail)."}
+    )
     speculative_adaptive: bool = field(
         default=True,
         metadata={"help": "Per-sample draft length from recent acceptance and a batch switch from an online cost "
@@ -151,6 +174,9 @@ class EngineConfig:
     )
     history_max_visits: int = field(
         default=2, metadata={"help": "Visits (calls) remembered per prompt, most recent kept."}
+    )
+    history_mean_window: int = field(
+        default=4096, metadata={"help": "length_predictor='history': recent finished lengths behind its global mean."}
     )
     history_max_tokens: int = field(
         default=2_000_000,
@@ -191,6 +217,7 @@ class EngineConfig:
 
     def _check_history(self) -> None:
         choice("history_fallback", self.history_fallback, ("none", "siblings", "prefix", "siblings+prefix"))
+        integer("history_mean_window", self.history_mean_window)
         for name in ("history_max_prompts", "history_max_visits", "history_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -203,6 +230,8 @@ class EngineConfig:
         if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
             PREDICTORS.check(self.length_predictor)
         integer("prefix_predictor_k", self.prefix_predictor_k)
+        integer("prefix_predictor_min_train", self.prefix_predictor_min_train)
+        positive("prefix_predictor_l2", self.prefix_predictor_l2, allow_none=True)
         if not isinstance(self.fptas_epsilon, (int, float)) or not 0.0 < self.fptas_epsilon <= 1.0:
             raise ValueError(f"`fptas_epsilon` must be in (0, 1], got {self.fptas_epsilon!r}.")
         integer("chunk_tokens", self.chunk_tokens, allow_none=True)
@@ -230,6 +259,15 @@ class EngineConfig:
         if self.speculative_method is not None:
             DRAFTERS.check(self.speculative_method)
         integer("num_speculative_tokens", self.num_speculative_tokens)
+        integer("speculative_ngram_min_n", self.speculative_ngram_min_n)
+        integer("speculative_ngram_max_n", self.speculative_ngram_max_n, minimum=self.speculative_ngram_min_n)
+        integer("speculative_suffix_max_depth", self.speculative_suffix_max_depth)
+        integer("speculative_suffix_min_match", self.speculative_suffix_min_match)
+        number("speculative_suffix_min_confidence", self.speculative_suffix_min_confidence)
+        if not 0.0 <= self.speculative_suffix_min_confidence <= 1.0:
+            raise ValueError(f"`speculative_suffix_min_confidence` must be in [0, 1], got "
+                             f"{self.speculative_suffix_min_confidence!r}.")
+        integer("speculative_best_of_n_tail_batch", self.speculative_best_of_n_tail_batch, minimum=0)
         choice("speculative_suffix_sources", self.speculative_suffix_sources, SUFFIX_SOURCES)
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"`speculative_adaptive` must be True or False, got {self.speculative_adaptive!r}.")

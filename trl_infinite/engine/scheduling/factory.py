@@ -6,7 +6,7 @@ from ..config import EngineConfig
 from ..history import PromptHistory
 from ..plugins import BATCH_POLICIES, SCHEDULERS
 from .base import AdmissionPolicy, PolicyOptions, SchedulePolicy
-from .predictors import LengthPredictor, make_predictor
+from .predictors import LengthPredictor, PredictorOptions, make_predictor
 
 
 def build_predictor(
@@ -15,12 +15,17 @@ def build_predictor(
 ) -> LengthPredictor:
     """One predictor per engine (or simulated run): it keeps learning across `generate` calls and reads the
     engine's per-prompt `history`."""
-    return make_predictor(length_predictor, prefix_k, history, history_fallback)
+    return make_predictor(length_predictor, PredictorOptions(prefix_k, history, history_fallback))
 
 
 def predictor_from_config(config: EngineConfig, history: PromptHistory | None = None) -> LengthPredictor:
-    """The length predictor `config` names (`length_predictor`, `prefix_predictor_k`, `history_fallback`)."""
-    return build_predictor(config.length_predictor, config.prefix_predictor_k, history, config.history_fallback)
+    """The length predictor `config` names, with its options from `config` (`prefix_predictor_*`, `history_*`)."""
+    options = PredictorOptions(
+        prefix_k=config.prefix_predictor_k, history=history, history_fallback=config.history_fallback,
+        prefix_min_train=config.prefix_predictor_min_train, prefix_l2=config.prefix_predictor_l2,
+        history_window=config.history_mean_window,
+    )
+    return make_predictor(config.length_predictor, options)
 
 
 def policy_options(config: EngineConfig, predictor: LengthPredictor | None = None) -> PolicyOptions:

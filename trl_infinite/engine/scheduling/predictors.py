@@ -42,6 +42,9 @@ class PredictorOptions:
     prefix_k: int = 16
     history: PromptHistory | None = None
     history_fallback: str = "none"  # links of the "history" chain after the history itself
+    prefix_min_train: int = 8  # finished samples the prefix head needs before it predicts
+    prefix_l2: float | None = None  # the head's ridge penalty (None: chosen by leave-one-prompt-out error)
+    history_window: int = 4096  # recent finished lengths behind the "history" chain's global mean
 
 
 class LengthPredictor:
@@ -165,7 +168,7 @@ class PrefixPredictor(LengthPredictor):
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> PrefixPredictor:
-        return cls(k=options.prefix_k)
+        return cls(k=options.prefix_k, min_train=options.prefix_min_train, l2=options.prefix_l2)
 
     def begin_call(self, groups: list[Group]) -> None:
         self.fallback.begin_call(groups)
@@ -217,13 +220,11 @@ def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
     return fn
 
 
-def make_predictor(
-    spec, k: int = 16, history: PromptHistory | None = None, history_fallback: str = "none"
-) -> LengthPredictor:
+def make_predictor(spec, options: PredictorOptions | None = None) -> LengthPredictor:
     """`spec`: a registered name, a `LengthPredictor`, a callable or a sequence-classification model."""
+    options = options or PredictorOptions()
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
-        options = PredictorOptions(prefix_k=k, history=history, history_fallback=history_fallback)
         return PREDICTORS.get_or_raise(spec).from_options(options)
-    return PrefixPredictor(k=k, fn=spec)
+    return PrefixPredictor(k=options.prefix_k, fn=spec, min_train=options.prefix_min_train, l2=options.prefix_l2)
