@@ -122,3 +122,26 @@ def test_model_refused_by_the_engine_contract_trains_with_trls_generation(tmp_pa
     assert len([w for w in record if "TRL's own path" in str(w.message)]) == 1
     assert not trainer.uses_engine and "rollout/decode_steps" not in trainer.state.log_history[0]
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_rollout_fields_are_generated_from_the_engine_config():
+    """Every `EngineConfig` field (but the CPU-only fallback) has its `rollout_` twin with the engine's default, type
+    (or the documented string form the command line parses) and help, and docs/trainer.md's table lists it."""
+    import pathlib
+    from typing import get_type_hints
+
+    from trl_infinite.trainer.config import CLI_TYPES, ENGINE_ONLY
+
+    twins = {f.name: f for f in fields(InfiniteGRPOConfig)}
+    engine_types, twin_types = get_type_hints(EngineConfig), get_type_hints(InfiniteGRPOConfig)
+    docs = (pathlib.Path(__file__).parents[2] / "docs" / "trainer.md").read_text()
+    for f in fields(EngineConfig):
+        if f.name in ENGINE_ONLY:
+            continue
+        twin = twins[f"rollout_{f.name}"]
+        assert twin.default == f.default, f.name
+        want = eval(CLI_TYPES[f.name]) if f.name in CLI_TYPES else engine_types[f.name]
+        assert twin_types[twin.name] == want, f.name
+        assert twin.metadata["help"].startswith(f.metadata["help"]), f.name
+        assert f"| `rollout_{f.name}` |" in docs, f"docs/trainer.md lacks rollout_{f.name}"
+    assert set(CLI_TYPES) <= {name for name, t in engine_types.items() if t is object}

@@ -1,43 +1,21 @@
-"""User-facing configuration of the rollout engine: `EngineConfig` (how to run) and `SamplingParams` (what to sample)."""
+"""User-facing configuration of the rollout engine: `EngineConfig` (how to run); `SamplingParams` (what to sample)
+lives in `sampling_params.py` and is re-exported here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .inputs import eos_list
+from .plugins import ATTENTION_BACKENDS as _BACKENDS
+from .plugins import BATCH_POLICIES, DRAFTERS, PREDICTORS, SCHEDULERS
+from .sampling_params import SamplingParams
+from .validate import choice, integer, number, positive
 
 SAMPLING_MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", *_BACKENDS)  # "auto": Triton on CUDA when importable, else the torch reference
 SUFFIX_SOURCES = ("siblings+history", "siblings", "history")
+HISTORY_FALLBACKS = ("none", "siblings", "prefix", "siblings+prefix")
 
-
-def _choice(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
-
-
-def _integer(name: str, value, minimum: int = 1, allow_none: bool = False) -> None:
-    """An int (not a bool, not a float such as 2.5 or 16.0) >= `minimum`, or None where allowed."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        none = " or None" if allow_none else ""
-        raise ValueError(f"`{name}` must be an integer >= {minimum}{none}, got {value!r}.")
-
-
-def _number(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a number, got {value!r}.")
-
-
-def _positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        none = " or None" if allow_none else ""
-        raise ValueError(f"`{name}` must be a number {bound}{none}, got {value!r}.")
+__all__ = ["ATTENTION_BACKENDS", "EngineConfig", "SAMPLING_MODES", "SUFFIX_SOURCES", "SamplingParams"]
 
 
 @dataclass
@@ -105,6 +83,13 @@ class EngineConfig:
                   "length, or a sequence-classification model."},
     )
     prefix_predictor_k: int = field(default=16, metadata={"help": "k: prefix tokens the 'prefix' predictor reads."})
+    prefix_predictor_min_train: int = field(
+        default=8, metadata={"help": "'prefix' predictor: finished samples its head needs before it predicts."}
+    )
+    prefix_predictor_l2: float | None = field(
+        default=None, metadata={"help": "'prefix' predictor: ridge penalty of its head (None = chosen by "
+                                "leave-one-prompt-out error)."}
+    )
     fptas_epsilon: float = field(default=0.1, metadata={"help": "FPTAS tolerance: plan <= (1 + eps) * optimum."})
     chunk_tokens: int | None = field(
         default=None,
@@ -113,6 +98,30 @@ class EngineConfig:
     )
     sla_decode_ms: float | None = field(
         default=None, metadata={"help": "batch_policy='sla': target decode step latency in milliseconds."}
+    )
+    sla_tolerance_ms: float | None = field(
+        default=None,
+        metadata={"help": "batch_policy='sla': band around `sla_decode_ms` within which the batch bound stays "
+                  "(None = 5% of the target)."},
+    )
+    sla_min_batch: int = field(
+        default=1, metadata={"help": "batch_policy='sla': smallest batch bound (the largest is "
+                             "`max_active_sequences`, 256 when None)."}
+    )
+    sla_alpha: int = field(default=2, metadata={"help": "batch_policy='sla': width of the batch-size search window."})
+    sla_delta: int = field(default=1, metadata={"help": "batch_policy='sla': step by which the window widens."})
+    sla_window: int = field(
+        default=4, metadata={"help": "batch_policy='sla': decode steps measured per adjustment of the bound."}
+    )
+    memory_eps: float = field(
+        default=0.05,
+        metadata={"help": "batch_policy='memory': eps_m, the probability that the running samples outgrow the pool "
+                  "(the safety buffer is Phi^-1(1 - eps_m) standard deviations)."},
+    )
+    memory_min_observations: int = field(
+        default=4,
+        metadata={"help": "batch_policy='memory': finished samples before their length statistics are used "
+                  "(until then every sample is assumed to reach `max_new_tokens`)."},
     )
     speculative_method: str | None = field(
         default=None,
@@ -129,6 +138,22 @@ class EngineConfig:
         default="siblings+history",
         metadata={"help": f"Texts the 'suffix' drafter matches: one of {list(SUFFIX_SOURCES)} ('history' = the "
                   "prompt's completions from earlier calls, kept in the engine's per-prompt history)."},
+    )
+    speculative_ngram_max_n: int = field(default=4, metadata={"help": "'ngram' drafter: longest n-gram matched."})
+    speculative_ngram_min_n: int = field(default=2, metadata={"help": "'ngram' drafter: shortest n-gram matched."})
+    speculative_suffix_max_depth: int = field(
+        default=24, metadata={"help": "'suffix' drafter: depth of its suffix trie (longest match and draft)."}
+    )
+    speculative_suffix_min_confidence: float = field(
+        default=0.1, metadata={"help": "'suffix' drafter: a draft stops where the product of its tokens' "
+                             "frequency shares falls below this."}
+    )
+    speculative_suffix_min_match: int = field(
+        default=1, metadata={"help": "'suffix' drafter: shortest matched context (tokens) that may draft."}
+    )
+    speculative_best_of_n_tail_batch: int = field(
+        default=4, metadata={"help": "'best_of_n' drafter: batch size at or below which costly members "
+                            "(a draft model) draft for every sample (the tail)."}
     )
     speculative_adaptive: bool = field(
         default=True,
@@ -150,6 +175,9 @@ class EngineConfig:
     history_max_visits: int = field(
         default=2, metadata={"help": "Visits (calls) remembered per prompt, most recent kept."}
     )
+    history_mean_window: int = field(
+        default=4096, metadata={"help": "length_predictor='history': recent finished lengths behind its global mean."}
+    )
     history_max_tokens: int = field(
         default=2_000_000,
         metadata={"help": "Most completion token ids the history keeps for drafts (int32, oldest visits dropped "
@@ -157,40 +185,39 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        _choice("sampling_mode", self.sampling_mode, SAMPLING_MODES)
-        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _integer("max_active_sequences", self.max_active_sequences, allow_none=True)
+        choice("sampling_mode", self.sampling_mode, SAMPLING_MODES)
+        choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        integer("max_active_sequences", self.max_active_sequences, allow_none=True)
         if self.max_active_sequences is None and self.sampling_mode in ("micro_group", "fixed_slot"):
             raise ValueError(
                 f"`max_active_sequences` must be a positive integer for sampling_mode={self.sampling_mode!r}."
             )
-        _integer("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
-        _positive("kv_cache_gb", self.kv_cache_gb, allow_none=True)
+        integer("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
+        positive("kv_cache_gb", self.kv_cache_gb, allow_none=True)
         if self.kv_cache_tokens is not None and self.kv_cache_gb is not None:
             raise ValueError("Set at most one of `kv_cache_tokens` and `kv_cache_gb`, not both.")
-        _number("kv_cache_fraction", self.kv_cache_fraction)
+        number("kv_cache_fraction", self.kv_cache_fraction)
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"`kv_cache_fraction` must be in (0, 1], got {self.kv_cache_fraction!r}.")
-        _integer("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
-        _integer("block_size", self.block_size)
-        _integer("max_prefill_tokens", self.max_prefill_tokens)
+        integer("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
+        integer("block_size", self.block_size)
+        integer("max_prefill_tokens", self.max_prefill_tokens)
         for name in ("cuda_graphs", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.compile:
             import torch._dynamo
 
-            _choice("compile_backend", self.compile_backend, tuple(torch._dynamo.list_backends(exclude_tags=())))
-        from .scheduling.registry import BATCH_POLICIES, SCHEDULERS
-
-        _choice("scheduler", self.scheduler, tuple(SCHEDULERS))
-        _choice("batch_policy", self.batch_policy, tuple(BATCH_POLICIES))
+            choice("compile_backend", self.compile_backend, tuple(torch._dynamo.list_backends(exclude_tags=())))
+        SCHEDULERS.check(self.scheduler)  # names only: the plug-ins are imported when the engine builds them
+        BATCH_POLICIES.check(self.batch_policy)
         self._check_scheduling()
         self._check_speculative()
         self._check_history()
 
     def _check_history(self) -> None:
-        _choice("history_fallback", self.history_fallback, ("none", "siblings", "prefix", "siblings+prefix"))
+        choice("history_fallback", self.history_fallback, ("none", "siblings", "prefix", "siblings+prefix"))
+        integer("history_mean_window", self.history_mean_window)
         for name in ("history_max_prompts", "history_max_visits", "history_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -200,24 +227,48 @@ class EngineConfig:
                              f"{self.history_max_visits!r}.")
 
     def _check_scheduling(self) -> None:
-        from .scheduling.predictors import PREDICTORS
-
         if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
-            _choice("length_predictor", self.length_predictor, tuple(PREDICTORS))
-        _integer("prefix_predictor_k", self.prefix_predictor_k)
+            PREDICTORS.check(self.length_predictor)
+        integer("prefix_predictor_k", self.prefix_predictor_k)
+        integer("prefix_predictor_min_train", self.prefix_predictor_min_train)
+        positive("prefix_predictor_l2", self.prefix_predictor_l2, allow_none=True)
         if not isinstance(self.fptas_epsilon, (int, float)) or not 0.0 < self.fptas_epsilon <= 1.0:
             raise ValueError(f"`fptas_epsilon` must be in (0, 1], got {self.fptas_epsilon!r}.")
-        _integer("chunk_tokens", self.chunk_tokens, allow_none=True)
-        _positive("sla_decode_ms", self.sla_decode_ms, allow_none=True)
+        integer("chunk_tokens", self.chunk_tokens, allow_none=True)
+        positive("sla_decode_ms", self.sla_decode_ms, allow_none=True)
         if self.batch_policy == "sla" and self.sla_decode_ms is None:
             raise ValueError("`batch_policy='sla'` needs `sla_decode_ms` (target decode step latency in ms).")
+        self._check_admission()
+
+    def _check_admission(self) -> None:
+        positive("sla_tolerance_ms", self.sla_tolerance_ms, allow_none=True)
+        integer("sla_min_batch", self.sla_min_batch)
+        top = self.max_active_sequences or 256
+        if self.batch_policy == "sla" and self.sla_min_batch > top:
+            raise ValueError(f"`sla_min_batch` must be <= the largest batch bound {top} (`max_active_sequences`), "
+                             f"got {self.sla_min_batch!r}.")
+        integer("sla_alpha", self.sla_alpha)
+        integer("sla_delta", self.sla_delta, minimum=0)
+        integer("sla_window", self.sla_window)
+        number("memory_eps", self.memory_eps)
+        if not 0.0 < self.memory_eps < 1.0:
+            raise ValueError(f"`memory_eps` must be in (0, 1), got {self.memory_eps!r}.")
+        integer("memory_min_observations", self.memory_min_observations)
 
     def _check_speculative(self) -> None:
-        from ..spec_decode import DRAFTERS
-
-        _choice("speculative_method", self.speculative_method, (None, *DRAFTERS))
-        _integer("num_speculative_tokens", self.num_speculative_tokens)
-        _choice("speculative_suffix_sources", self.speculative_suffix_sources, SUFFIX_SOURCES)
+        if self.speculative_method is not None:
+            DRAFTERS.check(self.speculative_method)
+        integer("num_speculative_tokens", self.num_speculative_tokens)
+        integer("speculative_ngram_min_n", self.speculative_ngram_min_n)
+        integer("speculative_ngram_max_n", self.speculative_ngram_max_n, minimum=self.speculative_ngram_min_n)
+        integer("speculative_suffix_max_depth", self.speculative_suffix_max_depth)
+        integer("speculative_suffix_min_match", self.speculative_suffix_min_match)
+        number("speculative_suffix_min_confidence", self.speculative_suffix_min_confidence)
+        if not 0.0 <= self.speculative_suffix_min_confidence <= 1.0:
+            raise ValueError(f"`speculative_suffix_min_confidence` must be in [0, 1], got "
+                             f"{self.speculative_suffix_min_confidence!r}.")
+        integer("speculative_best_of_n_tail_batch", self.speculative_best_of_n_tail_batch, minimum=0)
+        choice("speculative_suffix_sources", self.speculative_suffix_sources, SUFFIX_SOURCES)
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"`speculative_adaptive` must be True or False, got {self.speculative_adaptive!r}.")
         if self.speculative_method == "draft_model" and self.speculative_draft_model is None:
@@ -229,73 +280,3 @@ class EngineConfig:
         if self.sampling_mode in ("full_group", "dynamic_slot"):
             return None
         return self.max_active_sequences
-
-
-@dataclass
-class SamplingParams:
-    """What to sample; semantics follow `transformers.GenerationConfig` (and so TRL's generation settings).
-
-    `temperature == 0` or `do_sample=False` means greedy decoding. `top_k=0`, `top_p=1`, `min_p=0` and
-    `repetition_penalty=1` disable those processors. `seed` makes sampling reproducible per (prompt, sample).
-    `generation_kwargs` takes any other `GenerationConfig` key (`no_repeat_ngram_size`, `bad_words_ids`,
-    `suppress_tokens`, `min_new_tokens`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`, `top_h`, ...), applied through
-    the logits processors `generate` builds (see `engine/logits.py`); keys that need another decoding algorithm
-    (`num_beams > 1`, assisted decoding, ...) raise `ValueError`.
-    """
-
-    max_new_tokens: int | None = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    do_sample: bool = True
-    eos_token_ids: list[int] = field(default_factory=list)
-    seed: int = 0
-    generation_kwargs: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _integer("max_new_tokens", self.max_new_tokens, allow_none=True)
-        _positive("temperature", self.temperature, allow_zero=True)
-        _number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p!r}.")
-        _integer("top_k", self.top_k, minimum=0)
-        _number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"`min_p` must be in [0, 1], got {self.min_p!r}.")
-        _positive("repetition_penalty", self.repetition_penalty)
-        self.eos_token_ids = eos_list(self.eos_token_ids)
-        if not self.eos_token_ids and self.max_new_tokens is None:
-            raise ValueError("`eos_token_ids` is empty and `max_new_tokens` is None: generation would never stop. "
-                             "Set `max_new_tokens` to a positive integer or give at least one EOS id.")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"`seed` must be an integer, got {self.seed!r}.")
-        self._check_generation_kwargs()
-
-    def _check_generation_kwargs(self) -> None:
-        from .logits import (
-            COMMON_KEYS,
-            RESERVED_KEYS,
-            generation_config_keys,
-            generation_config_of,
-            unsupported_generation_keys,
-        )
-
-        if not isinstance(self.generation_kwargs, dict):
-            raise ValueError(f"`generation_kwargs` must be a dict, got {type(self.generation_kwargs).__name__}.")
-        fields_ = sorted(k for k in self.generation_kwargs if k in COMMON_KEYS or k in RESERVED_KEYS)
-        if fields_:
-            raise ValueError(f"`generation_kwargs` keys {fields_} are `SamplingParams` fields: set the fields instead "
-                             "(`eos_token_ids` for `eos_token_id`, `max_new_tokens` for `max_length`).")
-        unknown = sorted(set(self.generation_kwargs) - generation_config_keys())
-        if unknown:
-            raise ValueError(f"`generation_kwargs` keys {unknown} are not `transformers.GenerationConfig` keys.")
-        bad = unsupported_generation_keys(generation_config_of(self))
-        if bad:
-            raise ValueError(f"`generation_kwargs` keys {bad} need a decoding algorithm other than sampling or greedy "
-                             "search (or change what `generate` returns); the rollout engine cannot run them.")
-
-    @property
-    def greedy(self) -> bool:
-        return (not self.do_sample) or self.temperature == 0.0

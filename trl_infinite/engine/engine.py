@@ -20,7 +20,7 @@ from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .scheduling.factory import build_policies, build_predictor
+from .scheduling.factory import policies_from_config, predictor_from_config
 from .sequence import Group, Sequence, make_group
 from .static_decode import StaticDecoder, static_step_bytes
 from .support import check_support
@@ -57,8 +57,7 @@ class RolloutEngine:
             self.config.history_max_prompts, self.config.history_max_visits, self.config.history_max_tokens
         )
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.length_predictor, self.config.prefix_predictor_k, self.history,
-                                         self.config.history_fallback)
+        self.predictor = predictor_from_config(self.config, self.history)
         self.speculator = None
         if self.config.speculative_method is not None:
             from ..spec_decode import Speculator
@@ -137,10 +136,7 @@ class RolloutEngine:
         seqs = [s for g in groups for s in g.samples]
         self.pool.reset()
         cfg = self.config
-        policy, admission = build_policies(
-            cfg.scheduler, cfg.batch_policy, self.predictor, num_slots=cfg.slot_limit,
-            fptas_epsilon=cfg.fptas_epsilon, sla_decode_ms=cfg.sla_decode_ms, max_batch=cfg.max_active_sequences,
-        )
+        policy, admission = policies_from_config(cfg, self.predictor)
         scheduler = Scheduler(
             self.pool.allocator, policy, admission, cfg.sampling_mode, cfg.slot_limit, cfg.chunk_tokens
         )
@@ -155,7 +151,7 @@ class RolloutEngine:
             drive(scheduler, executor, stats, on_finished=finished, on_decode_step=on_decode_step)
         finally:
             self.decoder.end()
-        self._fill_stats(stats, scheduler, seqs, start)
+        self._fill_stats(stats, start)
         remember_visits(self.history, groups)
         return RolloutResult(
             completion_ids=[s.output_ids for s in seqs],
@@ -169,7 +165,7 @@ class RolloutEngine:
         processors = GenerationProcessors(self.model, sampling, self.device) if sampling.generation_kwargs else None
         sampler = Sampler(sampling, processors)
         uses = getattr(policy, "predictor", None) is self.predictor and self.predictor.wants_hidden
-        prefix = PrefixCapture(self.predictor.prefix_k) if uses else None
+        prefix = PrefixCapture(self.predictor) if uses else None
         decoder = None  # extra processors run eagerly, row by row: the static step runs the built-in ones only
         if not sampler.has_extra_processors:
             bs, decoder = self.config.block_size, self.decoder
@@ -194,16 +190,8 @@ class RolloutEngine:
             for i, p in enumerate(prompt_ids)
         ]
 
-    def _fill_stats(self, stats: RolloutStats, scheduler: Scheduler, seqs: list[Sequence], start: float) -> None:
-        c = scheduler.counters
-        stats.generated_tokens = sum(s.num_generated for s in seqs)
-        stats.peak_active_sequences = c.peak_running
-        stats.mean_active_sequences = c.mean_running
-        stats.peak_kv_blocks = self.pool.allocator.peak_used
-        stats.kv_utilization = self.pool.allocator.mean_utilization
-        stats.preemptions = c.preemptions
-        stats.prompt_evictions = c.prompt_evictions
-        stats.offloaded_blocks = c.offloaded_blocks
+    def _fill_stats(self, stats: RolloutStats, start: float) -> None:
+        """The engine's own counters (the scheduler's were recorded by `drive`)."""
         if self.predictor.mae is not None:
             stats.extra["length_prediction_mae"] = self.predictor.mae
         if self.decoder.graph_bytes:

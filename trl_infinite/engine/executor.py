@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from .attention import Segment
+from .batch import ScheduledBatch, StepOutput
 from .kv_pool import KVCachePool
 from .model_runner import ModelRunner, chunk_segments, last_rows
 from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seen_mask
-from .scheduler import ScheduledBatch, StepOutput
+from .scheduling.predictors import LengthPredictor
 from .sequence import Group, Sequence
 from .static_decode import Decoded, StaticDecoder
 
@@ -65,17 +66,18 @@ class StepContext:
 
 
 class PrefixCapture:
-    """Delivers the last hidden state at completion token k to the length predictor (`prefix` predictor)."""
+    """Delivers the last hidden state at completion token k to the length predictor (`observe_hidden`)."""
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, predictor: LengthPredictor):
+        self.predictor = predictor
+        self.k = predictor.prefix_k
 
     def wanted(self, seqs: list[Sequence]) -> list[int]:
         """Indices of `seqs` whose decode input is completion token k."""
         return [i for i, s in enumerate(seqs) if s.num_generated == self.k]
 
     def deliver(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        seq.extra["prefix_hidden"] = hidden.float().cpu().numpy()
+        self.predictor.observe_hidden(seq, hidden.float().cpu().numpy())
 
 
 class ModelExecutor:

@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .batch import ScheduledBatch, StepOutput
 from .outputs import RolloutStats
-from .scheduler import ScheduledBatch, Scheduler, StepOutput
+from .scheduler import Scheduler
 from .sequence import Sequence
 
 TAIL_FRACTION = 0.9  # decode steps taken once this fraction of the samples has finished count as tail steps
@@ -47,7 +48,8 @@ def drive(
     on_decode_step: StepTimer | None = None,
 ) -> None:
     """Run the scheduler to completion. Counts `decode_steps` (steps with a decode forward) and
-    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`). Every
+    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`); at the end,
+    the scheduler's and the allocator's counters (`record_scheduler`). Every
     finished sample goes to `on_finished` while the next step runs (at the latest when the loop ends), on this
     thread."""
     total = scheduler.num_samples
@@ -80,3 +82,19 @@ def drive(
     if on_finished is not None:
         for seq in done:
             on_finished(seq)
+    record_scheduler(stats, scheduler)
+
+
+def record_scheduler(stats: RolloutStats, scheduler: Scheduler) -> None:
+    """Copy the call's scheduler and block counters into `stats` (the one per-call stats type of the engine and
+    the simulator)."""
+    c, allocator = scheduler.counters, scheduler.allocator
+    stats.generated_tokens = sum(s.num_generated for s in scheduler.finished)
+    stats.peak_active_sequences = c.peak_running
+    stats.mean_active_sequences = c.mean_running
+    stats.peak_kv_blocks = allocator.peak_used
+    stats.num_kv_blocks = allocator.num_blocks
+    stats.kv_utilization = allocator.mean_utilization
+    stats.preemptions = c.preemptions
+    stats.prompt_evictions = c.prompt_evictions
+    stats.offloaded_blocks = c.offloaded_blocks

@@ -12,8 +12,6 @@ the record into a verdict.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .attention import attention_configs
+from .attention import attention_implementation
 
 PROBE_ATTENTION_NAME = "trl_infinite_probe"
 
@@ -104,19 +102,6 @@ AttentionInterface.register(PROBE_ATTENTION_NAME, _probe_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION_NAME, functools.wraps(sdpa_mask)(_probe_mask))
 
 
-@contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
-    configs = attention_configs(model)
-    saved = [c._attn_implementation_internal for c in configs]
-    try:
-        for c in configs:
-            c._attn_implementation_internal = name
-        yield
-    finally:
-        for c, impl in zip(configs, saved):
-            c._attn_implementation_internal = impl
-
-
 def probe_tokens(vocab_size: int, num_tokens: int, device: torch.device) -> torch.Tensor:
     """Fixed pseudo-random token ids [1, N] (the same on every call)."""
     gen = torch.Generator().manual_seed(1234)
@@ -130,7 +115,7 @@ def record_attention_calls(model: torch.nn.Module, input_ids: torch.Tensor) -> P
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     _ACTIVE.append(record)
     try:
-        with _attention_implementation(model, PROBE_ATTENTION_NAME):
+        with attention_implementation(model, PROBE_ATTENTION_NAME):
             model(input_ids=input_ids, position_ids=positions, use_cache=False, paged_ctx=record, logits_to_keep=1)
     except Exception as exc:  # noqa: BLE001  (the verdict reports it, naming the model)
         record.error = exc

@@ -12,60 +12,12 @@ group finished; a sample owns only the blocks of its own completion tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from .batch import ScheduledBatch, SchedulerCounters, StepOutput
 from .block_manager import BlockAllocator, blocks_for
 from .scheduling.base import AdmissionPolicy, SchedulePolicy, SchedulerView
 from .sequence import Group, SeqStatus, Sequence
 
-
-@dataclass
-class ScheduledBatch:
-    """One step of work. `decode` holds every running sample that has a token to feed (all but those whose prompt
-    is prefilled in this very step: they get their first token from it and decode from the next step)."""
-
-    prefill_groups: list[Group] = field(default_factory=list)  # prompts to prefill (blocks already allocated)
-    recompute: list[Sequence] = field(default_factory=list)  # re-run prompt + output_ids[:-1] into the cache
-    decode: list[Sequence] = field(default_factory=list)
-    grown: list[Sequence] = field(default_factory=list)  # running samples whose own block list grew in this step
-    lookahead: int = 0  # extra KV slots reserved per sample (speculative drafts)
-    # divided rollout's host tier: copy these blocks' KV out to host (before anything runs), then back in
-    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
-
-    @property
-    def rebuilt(self) -> list[Sequence]:
-        """Samples whose KV this step puts into new blocks (recompute, copy back from the host tier)."""
-        return [*self.recompute, *(seq for seq, _ in self.swap_in)]
-
-
-@dataclass
-class StepOutput:
-    """What an executor returns for one `ScheduledBatch`.
-
-    `first_tokens[i]` / `first_logprobs[i]`: the first token of every sample of `batch.prefill_groups[i]` that has
-    none yet (in sample order); `tokens[r]` / `logprobs[r]`: the tokens emitted by decode row r (`batch.decode`
-    order; several with speculative decoding; the scheduler keeps them up to the sample's end)."""
-
-    first_tokens: list[list[int]] = field(default_factory=list)
-    first_logprobs: list[list[float]] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerCounters:
-    preemptions: int = 0
-    prompt_evictions: int = 0
-    peak_running: int = 0
-    running_sum: int = 0
-    steps: int = 0
-    parks: int = 0  # divided rollout: a sample returned to the queue with its KV kept
-    offloaded_blocks: int = 0  # blocks of parked samples moved to the host tier (and later back, no re-prefill)
-
-    @property
-    def mean_running(self) -> float:
-        return self.running_sum / self.steps if self.steps else 0.0
+__all__ = ["ScheduledBatch", "Scheduler", "SchedulerCounters", "StepOutput"]
 
 
 class Scheduler:
@@ -212,11 +164,10 @@ class Scheduler:
         resumed = self._resume_kv(seq, batch, lookahead)
         if not resumed:
             seq.blocks = self.allocator.allocate(self._own_blocks_needed(seq, lookahead))
-        seq.status = SeqStatus.RUNNING
+        seq.set_status(SeqStatus.RUNNING)
         seq.admit_order = self._admit_counter
         seq.chunk_start = seq.num_generated
         self._admit_counter += 1
-        group.num_running += 1
         self.waiting.remove(seq)
         self.running.append(seq)
         if seq.num_generated > 1 and not resumed:
@@ -225,7 +176,7 @@ class Scheduler:
     # ------------------------------------------------------------------ divided rollout
     def _resume_kv(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> bool:
         """A parked sample comes back with its KV: still in the pool, or copied back from the host tier."""
-        host = seq.extra.pop("host_blocks", 0)
+        host, seq.host_blocks = seq.host_blocks, 0
         if not seq.blocks and not host:
             return False
         extra = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
@@ -246,8 +197,7 @@ class Scheduler:
 
     def park(self, seq: Sequence) -> None:
         """Return a running sample to the queue keeping its KV blocks (it resumes with no recompute)."""
-        seq.status = SeqStatus.WAITING
-        seq.group.num_running -= 1
+        seq.set_status(SeqStatus.WAITING)
         self.running.remove(seq)
         self.waiting.append(seq)
         self.counters.parks += 1
@@ -259,7 +209,7 @@ class Scheduler:
             return False
         seq = max(parked, key=lambda s: len(s.blocks))
         self._swap_out.append((seq, list(seq.blocks)))
-        seq.extra["host_blocks"] = len(seq.blocks)
+        seq.host_blocks = len(seq.blocks)
         self.counters.offloaded_blocks += len(seq.blocks)
         self.allocator.free(seq.blocks)
         seq.blocks = []
@@ -270,9 +220,8 @@ class Scheduler:
         """Free the sample's own blocks and put it back in the queue; its tokens are kept (recompute later)."""
         self.allocator.free(seq.blocks)
         seq.blocks = []
-        seq.status = SeqStatus.WAITING
+        seq.set_status(SeqStatus.WAITING)
         seq.num_preemptions += 1
-        seq.group.num_running -= 1
         self.running.remove(seq)
         self.waiting.append(seq)
         self.counters.preemptions += 1
@@ -288,12 +237,10 @@ class Scheduler:
         seq.blocks = []
         group = seq.group
         if seq.status is SeqStatus.RUNNING:
-            group.num_running -= 1
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        group.num_finished += 1
+        seq.set_status(SeqStatus.FINISHED)
         self.finished.append(seq)
         if group.done and group.resident:
             self.allocator.free(group.prompt_blocks)

@@ -25,8 +25,6 @@ class Group:
     num_generations: int
     prompt_blocks: list[int] = field(default_factory=list)  # empty while the prompt is not resident
     samples: list[Sequence] = field(default_factory=list)  # its G samples, in sample order
-    num_finished: int = 0
-    num_running: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -35,6 +33,18 @@ class Group:
     @property
     def resident(self) -> bool:
         return bool(self.prompt_blocks)
+
+    # samples per status, kept by `Sequence.set_status` (the only way a status changes): O(1) for groups of any G
+    status_counts: dict[SeqStatus, int] = field(default_factory=lambda: dict.fromkeys(SeqStatus, 0), init=False,
+                                                 repr=False)
+
+    @property
+    def num_running(self) -> int:
+        return self.status_counts[SeqStatus.RUNNING]
+
+    @property
+    def num_finished(self) -> int:
+        return self.status_counts[SeqStatus.FINISHED]
 
     @property
     def done(self) -> bool:
@@ -51,6 +61,9 @@ _seq_counter = itertools.count()
 @dataclass(eq=False)
 class Sequence:
     """One sample of a group. Its KV = the group's prompt blocks + its own completion blocks (`blocks`).
+
+    The fields are the scheduler's; plug-ins (policies, predictors, drafters) keep their per-sample state in their
+    own tables keyed by `seq_id`.
 
     Every sample gets its first token when its prompt is prefilled (all G at once, from the prompt's last logits),
     so a decoding sample always has at least one output token: the last one is the next decode input, at position
@@ -71,7 +84,17 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     chunk_start: int = 0  # output length when this sample was last (re)admitted: divided rollout counts from here
-    extra: dict = field(default_factory=dict)  # per-policy scratch (predictions, drafter state, ...)
+    host_blocks: int = 0  # divided rollout: leading blocks of its KV parked in host memory (0: none)
+
+    def __post_init__(self) -> None:
+        self.group.status_counts[self.status] += 1
+
+    def set_status(self, status: SeqStatus) -> None:
+        """Move to `status`, keeping the group's per-status counts."""
+        counts = self.group.status_counts
+        counts[self.status] -= 1
+        counts[status] += 1
+        self.status = status
 
     @property
     def group_id(self) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.batch import ScheduledBatch, StepOutput
 from ..engine.block_manager import BlockAllocator, blocks_for
 from ..engine.history import PromptHistory, remember_visits
 from ..engine.loop import drive
 from ..engine.outputs import RolloutStats
-from ..engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from ..engine.scheduler import Scheduler
 from ..engine.scheduling.factory import build_policies, build_predictor
 from ..engine.scheduling.predictors import LengthPredictor
 from ..engine.sequence import Group, make_group
@@ -110,10 +111,12 @@ def oracle_bound(lengths: list[int], slots: int) -> int:
 
 class TraceExecutor:
     """Plays the model for the drive loop. `features[(prompt_index, sample_idx)]` (optional) is the hidden state at
-    completion token k, handed to the predictor exactly when the engine would (the row's input is token k)."""
+    completion token k, handed to `predictor.observe_hidden` exactly when the engine would (the row's input is
+    token k); `predictor` None: nothing is delivered."""
 
-    def __init__(self, prefix_k: int | None, features: dict | None, prompt_index: dict[int, int]):
-        self.prefix_k = prefix_k
+    def __init__(self, predictor: LengthPredictor | None, features: dict | None, prompt_index: dict[int, int]):
+        self.predictor = predictor
+        self.prefix_k = predictor.prefix_k if predictor is not None else None
         self.features = features or {}
         self.prompt_index = prompt_index  # group_id -> the trace's prompt index
 
@@ -134,7 +137,7 @@ class TraceExecutor:
             if seq.num_generated == self.prefix_k:
                 feat = self.features.get((self.prompt_index[seq.group_id], seq.sample_idx))
                 if feat is not None:
-                    seq.extra["prefix_hidden"] = feat
+                    self.predictor.observe_hidden(seq, feat)
         out.tokens = [[0] for _ in batch.decode]
         out.logprobs = [[0.0] for _ in batch.decode]
         return out
@@ -183,36 +186,34 @@ def simulate(
     active_sum = 0
     for chunk in _calls(records, config.prompts_per_call):
         errors_before = (len(predictor.abs_errors), len(baseline) if baseline is not None else 0)
-        tail_before = out.tail_steps
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
         seqs = [s for g in groups for s in g.samples]
         allocator = BlockAllocator(_pool_blocks(chunk, config, max_new), config.block_size)
         slot_limit = None if config.sampling_mode in ("full_group", "dynamic_slot") else config.slots
-        policy, admission = build_policies(config.scheduler, config.batch_policy, predictor, num_slots=config.slots,
-                                           fptas_epsilon=config.fptas_epsilon)
+        policy, admission = build_policies(config.scheduler, config.batch_policy, predictor,
+                                           num_slots=config.slots, fptas_epsilon=config.fptas_epsilon)
         sched = Scheduler(allocator, policy, admission, config.sampling_mode, slot_limit, config.chunk_tokens)
         sched.submit(groups, seqs)
         uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden
-        executor = TraceExecutor(predictor.prefix_k if uses else None, features,
+        executor = TraceExecutor(predictor if uses else None, features,
                                  {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)})
         stats = RolloutStats()
         drive(sched, executor, stats)
-        c = sched.counters
         out.per_call_steps.append(stats.decode_steps)
         out.decode_steps += stats.decode_steps
         out.tail_steps += stats.tail_decode_steps
-        active_sum += c.running_sum
-        out.peak_kv_blocks = max(out.peak_kv_blocks, allocator.peak_used)
-        out.num_kv_blocks = allocator.num_blocks
-        out.preemptions += c.preemptions
-        out.offloaded_blocks += c.offloaded_blocks
-        out.generated_tokens += sum(s.num_generated for s in seqs)
+        active_sum += sched.counters.running_sum
+        out.peak_kv_blocks = max(out.peak_kv_blocks, stats.peak_kv_blocks)
+        out.num_kv_blocks = stats.num_kv_blocks
+        out.preemptions += stats.preemptions
+        out.offloaded_blocks += stats.offloaded_blocks
+        out.generated_tokens += stats.generated_tokens
         out.num_samples += len(seqs)
         out.lengths_preserved &= all(s.num_generated == s.length_limit for s in seqs)
         out.calls.append(CallSummary(
             epoch=chunk[0].epoch, decode_steps=stats.decode_steps, bound=oracle_bound([s.num_generated for s in seqs], config.slots),
-            tail_steps=out.tail_steps - tail_before, offloaded_blocks=c.offloaded_blocks,
+            tail_steps=stats.tail_decode_steps, offloaded_blocks=stats.offloaded_blocks,
             errors=predictor.abs_errors[errors_before[0]:],
             constant_errors=baseline[errors_before[1]:] if baseline is not None else [],
         ))

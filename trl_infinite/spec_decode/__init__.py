@@ -1,6 +1,6 @@
-"""Speculative rollout backend: drafters (registry), lossless verification, adaptive draft lengths."""
+"""Speculative rollout backend: drafters (registry `engine.plugins.DRAFTERS`, built-ins loaded when first built),
+lossless verification, adaptive draft lengths."""
 
-from . import best_of_n, draft_model, ngram, suffix  # noqa: F401  (register the built-in drafters)
 from .adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths
 from .drafter import DRAFTERS, Drafter, Proposal, build_drafter, register_drafter
 from .step import SpeculativeStep, Speculator

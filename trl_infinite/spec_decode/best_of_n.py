@@ -26,7 +26,10 @@ class BestOfNDrafter(Drafter):
 
     def __init__(self, draft_model=None, tail_batch: int = 4, **kwargs):
         super().__init__()
-        self.members: list[Drafter] = [SuffixDrafter(**kwargs), NgramDrafter()]
+        config = kwargs.get("config")
+        if config is not None:  # built by name: the options are `EngineConfig`'s
+            tail_batch = config.speculative_best_of_n_tail_batch
+        self.members: list[Drafter] = [SuffixDrafter(**kwargs), NgramDrafter(config=config)]
         if draft_model is not None:
             from .draft_model import DraftModelDrafter
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.plugins import DRAFTERS, register_drafter
 from ..engine.sequence import Sequence
-from ..utils.registry import Registry
 
 
 @dataclass
@@ -61,10 +61,9 @@ class Drafter:
 
 
 DrafterFactory = Callable[..., Drafter]
-# Drafter classes/factories by name (usable as `EngineConfig.speculative_method`); a factory is called as
-# `factory(config=EngineConfig, device=torch.device, **extras)`.
-DRAFTERS: Registry[DrafterFactory] = Registry("speculative_method")
-register_drafter = DRAFTERS.register
+# Drafter classes/factories by name (`EngineConfig.speculative_method`) live in `engine.plugins.DRAFTERS`; a factory
+# is called as `factory(config=EngineConfig, device=torch.device, **extras)`.
+__all__ = ["DRAFTERS", "EMPTY", "Drafter", "DrafterFactory", "Proposal", "build_drafter", "register_drafter"]
 
 
 def build_drafter(name: str, **kwargs) -> Drafter:

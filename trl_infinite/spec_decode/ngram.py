@@ -13,8 +13,10 @@ class NgramDrafter(Drafter):
     n-gram ending at index j is indexed (-> j) once token j exists, so a hit always has a continuation."""
 
 
-    def __init__(self, max_n: int = 4, min_n: int = 2, **_):
+    def __init__(self, max_n: int = 4, min_n: int = 2, config=None, **_):
         super().__init__()
+        if config is not None:  # built by name: the options are `EngineConfig`'s
+            max_n, min_n = config.speculative_ngram_max_n, config.speculative_ngram_min_n
         self.max_n, self.min_n = max_n, min_n
         self.ctx: dict[int, list[int]] = {}
         self.tables: dict[int, dict[tuple[int, ...], int]] = {}

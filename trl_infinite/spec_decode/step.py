@@ -14,10 +14,10 @@ import time
 import torch
 
 from ..engine.attention import Segment
+from ..engine.batch import ScheduledBatch
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.executor import StepContext
 from ..engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, row_keys, seen_mask
-from ..engine.scheduler import ScheduledBatch
 from ..engine.sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
 from .drafter import EMPTY, Drafter, Proposal, build_drafter
@@ -41,11 +41,14 @@ class Speculator:
     def max_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
-    def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
-        drafter = build_drafter(
+    def build_drafter(self, sampling: SamplingParams) -> Drafter:
+        """A fresh drafter for one `generate` call, the one `config.speculative_method` names."""
+        return build_drafter(
             self.config.speculative_method, config=self.config, device=self.device, sampling=sampling, **self.extras
         )
-        return SpeculativeStep(ctx, self, drafter, sampling)
+
+    def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
+        return SpeculativeStep(ctx, self, self.build_drafter(sampling), sampling)
 
 
 class SpeculativeStep:

@@ -75,6 +75,9 @@ class SuffixDrafter(Drafter):
     def __init__(self, max_depth: int = 24, min_confidence: float = 0.1, min_match: int = 1,
                  history: PromptHistory | None = None, sources: str | None = None, config=None, **_):
         super().__init__()
+        if config is not None:  # built by name: the options are `EngineConfig`'s
+            max_depth, min_confidence = config.speculative_suffix_max_depth, config.speculative_suffix_min_confidence
+            min_match = config.speculative_suffix_min_match
         self.max_depth, self.min_confidence, self.min_match = max_depth, min_confidence, min_match
         sources = sources or (config.speculative_suffix_sources if config is not None else "siblings+history")
         if sources not in SUFFIX_SOURCES:

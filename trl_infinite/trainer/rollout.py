@@ -1,8 +1,9 @@
 """From TRL's `_generate_single_turn` inputs to engine calls and back.
 
-TRL hands the hook one row per completion, each prompt repeated G times in a row. `prompt_runs` finds those runs,
-`generate_rows` calls the engine once per distinct run length (once in practice) with `num_generations` = the run
-length, and puts the completions back in TRL's row order.
+TRL hands the hook one row per completion, each prompt repeated G times in a row (`num_generations`, TRL's
+`RepeatSampler` layout). `trl_groups` turns that layout into the groups of this process's rows (a group may continue on
+the neighbouring process), `generate_rows` calls the engine once per distinct group size (once in practice) with
+`num_generations` = that size, and puts the completions back in TRL's row order.
 """
 
 from __future__ import annotations
@@ -22,15 +23,26 @@ class PromptRun:
     length: int
 
 
-def prompt_runs(prompt_ids: list[list[int]]) -> list[PromptRun]:
-    """Maximal runs of identical consecutive prompts, in row order."""
+def trl_groups(num_rows: int, num_generations: int, first_row: int = 0) -> list[PromptRun]:
+    """The prompt groups of `num_rows` rows in TRL's layout: the global generation batch holds each prompt
+    `num_generations` times in a row, and this process's rows start at global row `first_row` (each process takes an
+    equal contiguous slice), so its first and last group may be the part of a group split between two processes."""
     runs: list[PromptRun] = []
-    for i, p in enumerate(prompt_ids):
-        if runs and list(prompt_ids[runs[-1].start]) == list(p):
-            runs[-1].length += 1
-        else:
-            runs.append(PromptRun(i, 1))
+    row = 0
+    while row < num_rows:
+        length = min(num_generations - (first_row + row) % num_generations, num_rows - row)
+        runs.append(PromptRun(row, length))
+        row += length
     return runs
+
+
+def check_groups(prompt_ids: list[list[int]], runs: list[PromptRun]) -> None:
+    """`ValueError` unless every group's rows hold one prompt (the rows do not follow TRL's layout otherwise)."""
+    for run in runs:
+        first = list(prompt_ids[run.start])
+        if any(list(prompt_ids[r]) != first for r in range(run.start + 1, run.start + run.length)):
+            raise ValueError(f"rows {run.start}..{run.start + run.length - 1} should hold one prompt repeated "
+                             "(TRL's layout: each prompt `num_generations` times in a row) but hold several.")
 
 
 def rollout_seed(base_seed: int, process_index: int, call_index: int) -> int:
@@ -46,10 +58,12 @@ def generate_rows(
     engine: RolloutEngine,
     prompt_ids: list[list[int]],
     sampling: SamplingParams,
+    runs: list[PromptRun],
     on_row_finished: RowCallback | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[RolloutStats]]:
-    """Completions and sampling log-probs for every row of `prompt_ids` (TRL's order), and the stats of each call."""
-    runs = prompt_runs(prompt_ids)
+    """Completions and sampling log-probs for every row of `prompt_ids` (TRL's order), and the stats of each call;
+    `runs`: the rows' prompt groups (`trl_groups`)."""
+    check_groups(prompt_ids, runs)
     completions: list[list[int] | None] = [None] * len(prompt_ids)
     logprobs: list[list[float] | None] = [None] * len(prompt_ids)
     stats = []

@@ -11,31 +11,24 @@ from collections.abc import Callable
 from trl.extras.profiling import profiling_context
 
 from .cached_rewards import streamed_funcs
+from .rollout import PromptRun
 from .streaming import ChunkScores, RewardFunctionError
 
 _RESERVED = ("prompt", "completion", "completion_ids")
 
 
-def prompt_index_of_rows(prompts: list) -> list[int]:
-    """Index of each row's prompt among the batch's distinct prompts (consecutive equal prompts = one group)."""
-    out, k = [], -1
-    for i, p in enumerate(prompts):
-        if i == 0 or p != prompts[i - 1]:
-            k += 1
-        out.append(k)
-    return out
-
-
 class ChunkScorer:
     """`score(rows, completion_ids) -> ChunkScores` for the streamed (non-model) reward functions of a trainer.
 
-    `decode(row, ids)` turns completion ids into what TRL passes as `completions` (text or messages)."""
+    `decode(row, ids)` turns completion ids into what TRL passes as `completions` (text or messages); `groups`: the
+    rows' prompt groups in TRL's layout (`rollout.trl_groups`)."""
 
-    def __init__(self, trainer, inputs: list[dict], prompts: list, decode: Callable[[int, list[int]], object]):
+    def __init__(self, trainer, inputs: list[dict], prompts: list, decode: Callable[[int, list[int]], object],
+                 groups: list[PromptRun]):
         self.trainer, self.inputs, self.prompts, self.decode = trainer, inputs, prompts, decode
         self.funcs = streamed_funcs(trainer.reward_funcs)
         self.names = trainer.reward_func_names
-        self.prompt_of_row = prompt_index_of_rows(prompts)
+        self.prompt_of_row = [k for k, g in enumerate(groups) for _ in range(g.length)]  # row -> its group
 
     def score(self, rows: list[int], completion_ids: list[list[int]]) -> ChunkScores:
         completions = [self.decode(r, ids) for r, ids in zip(rows, completion_ids)]

@@ -22,7 +22,7 @@ from .backprop import make_micro_batches
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
-from .rollout import generate_rows, rollout_metrics, rollout_seed
+from .rollout import PromptRun, generate_rows, rollout_metrics, rollout_seed, trl_groups
 from .scoring import ChunkScorer
 from .streaming import StreamingRewards, StreamSlot
 
@@ -103,7 +103,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             )
         if (images is not None and any(images)) or multimodal_fields:
             raise ValueError("The rollout engine generates text only; set `use_vllm=True` for multimodal prompts.")
-        stream = self._start_stream(prompt_ids)
+        groups = trl_groups(len(prompt_ids), num_generations, self.accelerator.process_index * len(prompt_ids))
+        stream = self._start_stream(prompt_ids, groups)
         self._rollout_calls += 1
         seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollout_calls)
         bar = tqdm(
@@ -121,7 +122,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 config = effective_generation_config(model, self.generation_config)
                 sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed)
                 engine = self._get_engine(model)
-                completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, on_row_finished)
+                completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished)
         except UnsupportedModelError as err:  # the full support contract failed: TRL's own (exact) generation
             self._stream_slot.close()  # nothing was generated: TRL's path scores the batch after generation
             self.engine_fallback_reasons.append(str(err))
@@ -179,7 +180,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             and bool(streamed_funcs(self.reward_funcs))
         )
 
-    def _start_stream(self, prompt_ids: list) -> StreamingRewards | None:
+    def _start_stream(self, prompt_ids: list, groups: list[PromptRun]) -> StreamingRewards | None:
         if not self._streamable(prompt_ids):
             return None
         prompts = self._batch_prompts
@@ -187,7 +188,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         def decode(row: int, ids: list[int]):
             return self._decode_completion(prompts[row], prompt_ids[row], ids)
 
-        scorer = ChunkScorer(self, self._batch_inputs, prompts, decode)
+        scorer = ChunkScorer(self, self._batch_inputs, prompts, decode, groups)
         chunk = self.engine_config.max_active_sequences or self.num_generations
         stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor)
         self._stream_slot.open(stream)

@@ -1,34 +1,70 @@
-"""A name -> plug-in registry shared by schedulers, admission policies, drafters and attention backends."""
+"""A name -> plug-in registry shared by schedulers, admission policies, length predictors, drafters and attention
+backends.
+
+Built-in plug-ins are *lazy*: the registry knows their names and the module that defines them, and imports that
+module the first time one of its names is built (mini-sglang's style). So a config can list and validate every
+name without importing a single plug-in, and no plug-in module imports the module that uses it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
-class Registry(dict, Generic[T]):
-    """`dict[str, T]` keyed by the name a user writes in a config field (`field`).
+class Registry(Generic[T]):
+    """Plug-ins keyed by the name a user writes in a config field (`field`).
 
-    `@REG.register("name")` adds a class or function (and sets `cls.name` on classes); `REG.get_or_raise(name)`
-    raises a `ValueError` that names the config field and the registered choices.
+    `lazy` maps each built-in name to the module (absolute dotted path) whose import registers it.
+    `@REG.register("name")` adds a class or function (and sets `cls.name` on classes); a name already taken raises
+    `ValueError` unless `replace=True`. `REG.get_or_raise(name)` imports a lazy name's module and returns the
+    plug-in, or raises a `ValueError` that names the config field and the choices.
     """
 
-    def __init__(self, field: str):
-        super().__init__()
+    def __init__(self, field: str, lazy: dict[str, str] | None = None):
         self.field = field
+        self._lazy: dict[str, str] = dict(lazy or {})
+        self._loaded: dict[str, T] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, replace: bool = False) -> Callable[[T], T]:
         def wrap(obj: T) -> T:
+            module = self._lazy.get(name)
+            if module is not None and name not in self._loaded:
+                # a built-in name: load the built-in first (a no-op while that module is the one registering it)
+                importlib.import_module(module)
+            if name in self._loaded and not replace:
+                raise ValueError(f"`{self.field}` {name!r} is already registered "
+                                 f"({self._loaded[name]!r}); pass `replace=True` to replace it.")
             if isinstance(obj, type):
                 obj.name = name
-            self[name] = obj
+            self._loaded[name] = obj
             return obj
 
         return wrap
 
     def get_or_raise(self, name: str) -> T:
+        if name not in self._loaded and isinstance(name, str) and name in self._lazy:
+            importlib.import_module(self._lazy[name])
+        if name not in self._loaded:
+            raise ValueError(f"`{self.field}` must be one of {self.names()}, got {name!r}.")
+        return self._loaded[name]
+
+    def check(self, name: str) -> None:
+        """`ValueError` naming the field and the choices unless `name` is registered (nothing is imported)."""
         if name not in self:
-            raise ValueError(f"`{self.field}` must be one of {sorted(self)}, got {name!r}.")
-        return self[name]
+            raise ValueError(f"`{self.field}` must be one of {self.names()}, got {name!r}.")
+
+    def names(self) -> list[str]:
+        return sorted({*self._lazy, *self._loaded})
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._loaded or name in self._lazy)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())

@@ -21,48 +21,12 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from ...utils.registry import Registry
+from .backends import ATTENTION_BACKEND_FNS, AttentionBackend, register_attention_backend, resolve_backend
 from .layer import LayerAttention, LayerSpec, allowed
 from .metadata import MaskKey, PagedAttentionMetadata, Segment, build_metadata, decode_metadata, with_context
 from .torch_backend import torch_paged_attention
 
 PAGED_ATTENTION_NAME = "trl_infinite_paged"
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """`prepare` once per forward, `attend` once per layer (see the module docstring). `gathers_columns`: the
-    work grows with the block tables' width (a gather of every column), not with each row's context length."""
-
-    attend: Callable
-    prepare: Callable[[PagedAttentionMetadata, tuple[MaskKey, ...]], PagedAttentionMetadata] = with_context
-    gathers_columns: bool = True
-
-
-ATTENTION_BACKEND_FNS: Registry[AttentionBackend] = Registry("attention_backend")
-ATTENTION_BACKEND_FNS["torch"] = AttentionBackend(torch_paged_attention)
-
-
-def register_attention_backend(name: str, attend: Callable, prepare: Callable = with_context,
-                               gathers_columns: bool = True) -> None:
-    """Make `attend` (with its once-per-forward `prepare`) selectable as `EngineConfig.attention_backend=name`."""
-    ATTENTION_BACKEND_FNS.register(name)(AttentionBackend(attend, prepare, gathers_columns))
-
-
-def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" picks Triton on CUDA when it is importable, the torch reference otherwise."""
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                from . import triton_backend  # noqa: F401  (registers "triton")
-
-                name = "triton"
-            except ImportError:
-                pass
-    if name == "triton" and "triton" not in ATTENTION_BACKEND_FNS:
-        from . import triton_backend  # noqa: F401
-    return ATTENTION_BACKEND_FNS.get_or_raise(name)
 
 
 @dataclass
@@ -125,18 +89,24 @@ def attention_configs(model: torch.nn.Module) -> list:
 
 
 @contextmanager
-def paged_attention(model: torch.nn.Module, configs: list | None = None) -> Iterator[None]:
-    """Route the model's attention through the pool for the duration of the block, then restore it.
-    Pass `configs` (from `attention_configs`) to skip walking the module tree on every forward."""
+def attention_implementation(model: torch.nn.Module, name: str, configs: list | None = None) -> Iterator[None]:
+    """Run the model's attention layers with the registered attention function `name` for the duration of the
+    block, then restore each config's own. Pass `configs` (from `attention_configs`) to skip walking the module
+    tree."""
     configs = attention_configs(model) if configs is None else configs
     saved = [c._attn_implementation_internal for c in configs]
     try:
         for c in configs:
-            c._attn_implementation_internal = PAGED_ATTENTION_NAME
+            c._attn_implementation_internal = name
         yield
     finally:
         for c, impl in zip(configs, saved):
             c._attn_implementation_internal = impl
+
+
+def paged_attention(model: torch.nn.Module, configs: list | None = None):
+    """Route the model's attention through the pool for the duration of the block (a context manager)."""
+    return attention_implementation(model, PAGED_ATTENTION_NAME, configs)
 
 
 __all__ = [
@@ -150,6 +120,7 @@ __all__ = [
     "PagedContext",
     "allowed",
     "attention_configs",
+    "attention_implementation",
     "Segment",
     "build_metadata",
     "decode_metadata",

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 import triton
 
-from . import register_attention_backend
+from .backends import register_attention_backend
 from .layer import LayerAttention
 from .metadata import PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention

@@ -1,8 +1,8 @@
 """Scheduling plug-ins: ordering policies (`EngineConfig.scheduler`) and admission policies
-(`EngineConfig.batch_policy`), looked up by name."""
+(`EngineConfig.batch_policy`), looked up by name in `engine.plugins`."""
 
+from ..plugins import BATCH_POLICIES, SCHEDULERS, register_batch_policy, register_scheduler
 from .base import AdmissionPolicy, SchedulePolicy, SchedulerView
-from .registry import BATCH_POLICIES, SCHEDULERS, register_batch_policy, register_scheduler
 
 __all__ = [
     "AdmissionPolicy",

@@ -6,9 +6,9 @@ import math
 from statistics import NormalDist, mean, pstdev
 
 from ..block_manager import blocks_for
+from ..plugins import register_batch_policy
 from ..sequence import Sequence
-from .base import AdmissionPolicy, SchedulerView
-from .registry import register_batch_policy
+from .base import AdmissionPolicy, PolicyOptions, SchedulerView
 
 
 @register_batch_policy("static")
@@ -28,14 +28,16 @@ class MemoryAdmission(AdmissionPolicy):
     Options: `memory_eps` (eps_m, default 0.05), `min_observations` (default 4).
     """
 
-    def __init__(self, **options) -> None:
-        super().__init__(**options)
-        eps = options.get("memory_eps", 0.05)
-        if not 0.0 < eps < 1.0:
-            raise ValueError(f"`memory_eps` must be in (0, 1), got {eps!r}.")
-        self.theta = NormalDist().inv_cdf(1.0 - eps)
-        self.min_obs = options.get("min_observations", 4)
+    def __init__(self, memory_eps: float = 0.05, min_observations: int = 4) -> None:
+        if not 0.0 < memory_eps < 1.0:
+            raise ValueError(f"`memory_eps` must be in (0, 1), got {memory_eps!r}.")
+        self.theta = NormalDist().inv_cdf(1.0 - memory_eps)
+        self.min_obs = min_observations
         self.lengths: list[int] = []
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> MemoryAdmission:
+        return cls(options.memory_eps, options.memory_min_observations)
 
     def on_finish(self, seq: Sequence) -> None:
         self.lengths.append(seq.num_generated)
@@ -68,20 +70,25 @@ class SLAAdmission(AdmissionPolicy):
     Options: `sla_decode_ms` (required), `sla_tolerance_ms` (default 5% of it), `min_batch` 1, `max_batch` 256,
     `alpha` 2, `delta` 1, `window` 4 steps per adjustment."""
 
-    def __init__(self, **options) -> None:
-        super().__init__(**options)
-        sla = options.get("sla_decode_ms")
-        if sla is None or sla <= 0:
-            raise ValueError(f"batch_policy='sla' needs `sla_decode_ms` > 0, got {sla!r}.")
-        self.sla = float(sla)
-        self.tol = float(options.get("sla_tolerance_ms") or 0.05 * self.sla)
-        self.b_min, self.b_max = int(options.get("min_batch", 1)), int(options.get("max_batch") or 256)
-        self.alpha, self.delta = int(options.get("alpha", 2)), int(options.get("delta", 1))
-        self.window = int(options.get("window", 4))
+    def __init__(self, sla_decode_ms: float | None = None, sla_tolerance_ms: float | None = None, min_batch: int = 1,
+                 max_batch: int | None = None, alpha: int = 2, delta: int = 1, window: int = 4) -> None:
+        if sla_decode_ms is None or sla_decode_ms <= 0:
+            raise ValueError(f"batch_policy='sla' needs `sla_decode_ms` > 0, got {sla_decode_ms!r}.")
+        self.sla = float(sla_decode_ms)
+        self.tol = float(sla_tolerance_ms or 0.05 * self.sla)
+        self.b_min, self.b_max = int(min_batch), int(max_batch or 256)
+        if not 1 <= self.b_min <= self.b_max:
+            raise ValueError(f"`sla_min_batch` must be in [1, {self.b_max}] (the batch bound), got {min_batch!r}.")
+        self.alpha, self.delta, self.window = int(alpha), int(delta), int(window)
         self.low, self.high = self.b_min, self.b_max
         self.batch = self.b_max
         self.samples: list[tuple[int, float]] = []  # (batch size, step ms) since the last adjustment
         self.history: list[int] = []
+
+    @classmethod
+    def from_options(cls, o: PolicyOptions) -> SLAAdmission:
+        return cls(o.sla_decode_ms, o.sla_tolerance_ms, o.sla_min_batch, o.sla_max_batch, o.sla_alpha, o.sla_delta,
+                   o.sla_window)
 
     def on_step_time(self, num_running: int, seconds: float) -> None:
         self.samples.append((num_running, seconds * 1000.0))

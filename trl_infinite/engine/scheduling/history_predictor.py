@@ -72,13 +72,13 @@ class HistoryPredictor(LengthPredictor):
     `window`: recent finished lengths kept for the global mean."""
 
     def __init__(self, history: PromptHistory | None = None, k: int = 16, fallback: str = "none",
-                 window: int = 4096):
+                 window: int = 4096, prefix: PrefixPredictor | None = None):
         super().__init__()
         if fallback not in FALLBACKS:
             raise ValueError(f"`history_fallback` must be one of {list(FALLBACKS)}, got {fallback!r}.")
         self.history = history if history is not None else PromptHistory()
         self.use_siblings = "siblings" in fallback
-        self.prefix = PrefixPredictor(k=k)
+        self.prefix = prefix if prefix is not None else PrefixPredictor(k=k)
         self.prefix_k = k if "prefix" in fallback else None
         self.wants_hidden = "prefix" in fallback
         self.recent: deque[int] = deque(maxlen=window)
@@ -92,7 +92,8 @@ class HistoryPredictor(LengthPredictor):
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> HistoryPredictor:
-        return cls(history=options.history, k=options.prefix_k, fallback=options.history_fallback)
+        return cls(history=options.history, k=options.prefix_k, fallback=options.history_fallback,
+                   window=options.history_window, prefix=PrefixPredictor.from_options(options))
 
     def begin_call(self, groups: list[Group]) -> None:
         self.prefix.begin_call(groups)
@@ -149,6 +150,9 @@ class HistoryPredictor(LengthPredictor):
         past, done = self._past_lengths(seq.group), self._done.get(seq.group, [])
         known = ([past.xs[-1]] if len(past) else []) + done
         return float(max(known)) if known else None
+
+    def observe_hidden(self, seq: Sequence, hidden) -> None:
+        self.prefix.observe_hidden(seq, hidden)
 
     def needs_prefix(self, seq: Sequence) -> bool:
         """With the prefix link, only samples that no earlier link answers for probe the prefix."""

@@ -7,21 +7,22 @@ tokens are probed first (they decode k+1 tokens, return to the queue with their 
 
 from __future__ import annotations
 
+from ..plugins import register_scheduler
 from ..sequence import Group, Sequence
-from .base import SchedulePolicy, SchedulerView
+from .base import PolicyOptions, SchedulePolicy, SchedulerView
 from .fptas import fptas_partition
 from .predictors import GroupPredictor, LengthPredictor, make_predictor
-from .registry import register_scheduler
 
 
 class LengthAwarePolicy(SchedulePolicy):
-    """Options: `predictor` (a `LengthPredictor`, shared across calls so it keeps learning) or `length_predictor`
-    (name / callable) with `prefix_k`; `num_slots` (g) for plans; `fptas_epsilon`."""
+    """`predictor`: a `LengthPredictor`, shared across calls so it keeps learning (None: "none")."""
 
-    def __init__(self, predictor: LengthPredictor | None = None, **options) -> None:
-        super().__init__(**options)
-        self.predictor = predictor or make_predictor(options.get("length_predictor", "none"),
-                                                     options.get("prefix_k", 16))
+    def __init__(self, predictor: LengthPredictor | None = None) -> None:
+        self.predictor = predictor or make_predictor("none")
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> LengthAwarePolicy:
+        return cls(options.predictor)
 
     # -- helpers
     def probing(self, seq: Sequence) -> bool:
@@ -83,11 +84,21 @@ class FPTASPolicy(LengthAwarePolicy):
 
     steal = False
 
-    def __init__(self, **options) -> None:
-        super().__init__(**options)
-        self.num_slots = options.get("num_slots")
-        self.eps = options.get("fptas_epsilon", 0.1)
+    def __init__(self, predictor: LengthPredictor | None = None, num_slots: int | None = None,
+                 fptas_epsilon: float = 0.1) -> None:
+        super().__init__(predictor)
+        self.num_slots = num_slots
+        self.eps = fptas_epsilon
         self.num_bins = 0
+        # side tables by seq_id (this policy lives for one call)
+        self.planned: dict[int, tuple[int, int]] = {}  # (bin, position in the bin) of the plan
+        self.slot: dict[int, int] = {}  # slot (bin) a running sample occupies
+        self.next_slot: dict[int, int] = {}  # slot a sample was picked for, committed once it is admitted
+        self.slot_order: dict[int, int] = {}  # `admit_order` of the admission the slot was committed for
+
+    @classmethod
+    def from_options(cls, options: PolicyOptions) -> FPTASPolicy:
+        return cls(options.predictor, options.num_slots, options.fptas_epsilon)
 
     def plan(self, waiting: list[Sequence]) -> None:
         if self.num_bins or not waiting or any(self.probing(s) for s in waiting):
@@ -97,21 +108,21 @@ class FPTASPolicy(LengthAwarePolicy):
         plan, _ = fptas_partition(costs, self.num_bins, self.eps)
         for b, items in enumerate(plan):
             for pos, i in enumerate(items):
-                waiting[i].extra["plan"] = (b, pos)
-                waiting[i].extra["slot"] = b
+                self.planned[waiting[i].seq_id] = (b, pos)
+                self.slot[waiting[i].seq_id] = b
 
     def pick(self, own: list[Sequence]) -> Sequence:
-        return min(own, key=lambda s: s.extra["plan"][1])
+        return min(own, key=lambda s: self.planned[s.seq_id][1])
 
     def ordered(self, view: SchedulerView) -> list[Sequence]:
         self.plan(view.waiting)
         probes, rest = self.split_probes(view.waiting)
         if not self.num_bins:
             return probes + sorted(rest, key=lambda s: (s.group_id, s.sample_idx))
-        busy = {s.extra.get("slot") for s in view.running}
+        busy = {self.slot.get(s.seq_id) for s in view.running}
         pending: dict[int, list[Sequence]] = {}
         for s in rest:
-            pending.setdefault(s.extra["plan"][0] if "plan" in s.extra else -1, []).append(s)
+            pending.setdefault(self.planned[s.seq_id][0] if s.seq_id in self.planned else -1, []).append(s)
         picks: list[Sequence] = list(pending.pop(-1, []))  # submitted after the plan: any free slot
         taken: set[int] = set()
         for b in range(self.num_bins):
@@ -127,16 +138,16 @@ class FPTASPolicy(LengthAwarePolicy):
                 seq = min(pool, key=lambda s: (self.remaining(s), s.group_id, s.sample_idx))
             else:
                 continue
-            seq.extra["next_slot"] = b
+            self.next_slot[seq.seq_id] = b
             taken.add(id(seq))
             picks.append(seq)
         return probes + picks
 
     def on_step(self, view: SchedulerView) -> None:
         for s in view.running:  # commit the slot a sample was admitted into
-            if s.extra.get("slot_order") != s.admit_order and "next_slot" in s.extra:
-                s.extra["slot"] = s.extra.pop("next_slot")
-                s.extra["slot_order"] = s.admit_order
+            if self.slot_order.get(s.seq_id) != s.admit_order and s.seq_id in self.next_slot:
+                self.slot[s.seq_id] = self.next_slot.pop(s.seq_id)
+                self.slot_order[s.seq_id] = s.admit_order
 
 
 @register_scheduler("infinite")
@@ -157,9 +168,8 @@ class SeerPolicy(LengthAwarePolicy):
     length first (SFS); the others go largest group estimate L_g first (LFS), L_g from finished siblings
     (`max_new_tokens` until one finishes). Pair with `chunk_tokens` for divided rollout."""
 
-    def __init__(self, **options) -> None:
-        options["predictor"] = GroupPredictor()  # Seer's estimate is the group's own, learnt within the call
-        super().__init__(**options)
+    def __init__(self, predictor: LengthPredictor | None = None) -> None:
+        super().__init__(GroupPredictor())  # Seer's estimate is the group's own, learnt within the call
 
     def ordered(self, view: SchedulerView) -> list[Sequence]:
         spec = [s for s in view.waiting if s.sample_idx == 0]

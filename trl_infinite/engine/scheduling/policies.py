@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ..plugins import register_scheduler
 from ..sequence import Sequence
 from .base import SchedulePolicy
-from .registry import register_scheduler
 
 
 @register_scheduler("fifo")

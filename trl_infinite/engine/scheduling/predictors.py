@@ -9,7 +9,7 @@ learn. Every prediction that was used is scored against the true length at finis
   has finished.
 - "prefix" (Infinite Sampling §4): after the first k completion tokens, a regression head on a feature vector of the
   prompt + prefix. The default features are the policy model's own last hidden state at completion token k (the
-  engine / simulator put it in `seq.extra["prefix_hidden"]`); the head is an online ridge regression on log-length,
+  engine / simulator deliver it through `observe_hidden`); the head is an online ridge regression on log-length,
   refitted from the samples that finished, its penalty chosen by leave-one-prompt-out error (`ridge.py`). A user
   callable `fn(prompt_ids, prefix_ids) -> float` or a Hugging Face sequence-classification model (one regression
   logit) can replace the head. The k tokens are kept: decoding resumes at k+1. Before the head has seen `min_train`
@@ -28,13 +28,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...utils.registry import Registry
 from ..history import PromptHistory
+from ..plugins import PREDICTORS, register_predictor
 from ..sequence import Group, Sequence
 from .ridge import OnlineRidge
-
-PREDICTORS: Registry[type] = Registry("length_predictor")
-register_predictor = PREDICTORS.register
 
 
 @dataclass
@@ -45,6 +42,9 @@ class PredictorOptions:
     prefix_k: int = 16
     history: PromptHistory | None = None
     history_fallback: str = "none"  # links of the "history" chain after the history itself
+    prefix_min_train: int = 8  # finished samples the prefix head needs before it predicts
+    prefix_l2: float | None = None  # the head's ridge penalty (None: chosen by leave-one-prompt-out error)
+    history_window: int = 4096  # recent finished lengths behind the "history" chain's global mean
 
 
 class LengthPredictor:
@@ -57,6 +57,8 @@ class LengthPredictor:
 
     def __init__(self) -> None:
         self.abs_errors: list[float] = []
+        # seq_id -> the prediction the sample is ranked with (side table, popped when the sample finishes)
+        self.predictions: dict[int, float] = {}
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> LengthPredictor:
@@ -73,14 +75,18 @@ class LengthPredictor:
         """The longest completion known for the sample's prompt (None: nothing known)."""
         return None
 
+    def observe_hidden(self, seq: Sequence, hidden) -> None:
+        """The policy's last hidden state (numpy [hidden_size]) at the input of completion token `prefix_k`, delivered
+        by the executor (the simulator: a recorded one) when `wants_hidden`."""
+
     def needs_prefix(self, seq: Sequence) -> bool:
         """Whether the sample should decode its first `prefix_k` tokens before it is ranked (a probe)."""
         return self.prefix_k is not None
 
     def observe(self, seq: Sequence) -> None:
         """A sample finished: score the prediction it was scheduled with, then learn from it."""
-        pred = seq.extra.get("pred_len")
-        if pred is not None and seq.extra.get("pred_source") == self.name:
+        pred = self.predictions.pop(seq.seq_id, None)
+        if pred is not None:
             self.abs_errors.append(abs(pred - seq.num_generated))
 
     @property
@@ -89,17 +95,16 @@ class LengthPredictor:
 
     def estimate(self, seq: Sequence) -> float:
         """The cached prediction (computed once it is available), else `max_new_tokens` (conservative)."""
-        pred = seq.extra.get("pred_len")
-        if pred is None or seq.extra.get("pred_source") != self.name:
+        pred = self.predictions.get(seq.seq_id)
+        if pred is None:
             new = self.predict(seq)
             if new is not None:
-                seq.extra["pred_len"], seq.extra["pred_source"] = float(new), self.name
-                pred = float(new)
+                pred = self.predictions[seq.seq_id] = float(new)
         return max(float(seq.num_generated), pred if pred is not None else float(seq.max_new_tokens))
 
     def has_estimate(self, seq: Sequence) -> bool:
         self.estimate(seq)
-        return seq.extra.get("pred_source") == self.name
+        return seq.seq_id in self.predictions
 
 
 @register_predictor("none")
@@ -131,7 +136,7 @@ class GroupPredictor(LengthPredictor):
     def estimate(self, seq: Sequence) -> float:
         new = self.predict(seq)  # L_g moves as siblings finish: never cached
         if new is not None:
-            seq.extra["pred_len"], seq.extra["pred_source"] = new, self.name
+            self.predictions[seq.seq_id] = new
         return max(float(seq.num_generated), new if new is not None else float(seq.max_new_tokens))
 
     def longest_known(self, seq: Sequence) -> float | None:
@@ -159,10 +164,11 @@ class PrefixPredictor(LengthPredictor):
         self.head = OnlineRidge(l2)
         self.min_train = min_train
         self.fallback = GroupPredictor()
+        self.features: dict = {}  # seq_id -> hidden state at token k (numpy), popped when the sample finishes
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> PrefixPredictor:
-        return cls(k=options.prefix_k)
+        return cls(k=options.prefix_k, min_train=options.prefix_min_train, l2=options.prefix_l2)
 
     def begin_call(self, groups: list[Group]) -> None:
         self.fallback.begin_call(groups)
@@ -172,21 +178,24 @@ class PrefixPredictor(LengthPredictor):
             return None
         if self.fn is not None:
             return self.fn(list(seq.group.prompt_ids), list(seq.output_ids[: self.prefix_k]))
-        feat = seq.extra.get("prefix_hidden")
+        feat = self.features.get(seq.seq_id)
         if feat is None or len(self.head) < self.min_train:
             return None
         return float(min(seq.max_new_tokens, max(self.prefix_k, math.exp(self.head(feat)))))
 
     def estimate(self, seq: Sequence) -> float:
         est = super().estimate(seq)
-        if seq.extra.get("pred_source") != self.name:
-            est = self.fallback.estimate(seq)  # the fallback caches under its own name
+        if seq.seq_id not in self.predictions:
+            est = self.fallback.estimate(seq)  # the fallback keeps its own table
         return est
+
+    def observe_hidden(self, seq: Sequence, hidden) -> None:
+        self.features[seq.seq_id] = hidden
 
     def observe(self, seq: Sequence) -> None:
         super().observe(seq)
         self.fallback.observe(seq)
-        feat = seq.extra.get("prefix_hidden")
+        feat = self.features.pop(seq.seq_id, None)
         if self.fn is None and feat is not None:
             # group = the prompt: the head's penalty is chosen by its error on prompts it has not seen
             self.head.add(feat, math.log(max(1, seq.num_generated)), group=hash(tuple(seq.group.prompt_ids)))
@@ -211,13 +220,11 @@ def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
     return fn
 
 
-def make_predictor(
-    spec, k: int = 16, history: PromptHistory | None = None, history_fallback: str = "none"
-) -> LengthPredictor:
+def make_predictor(spec, options: PredictorOptions | None = None) -> LengthPredictor:
     """`spec`: a registered name, a `LengthPredictor`, a callable or a sequence-classification model."""
+    options = options or PredictorOptions()
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
-        options = PredictorOptions(prefix_k=k, history=history, history_fallback=history_fallback)
         return PREDICTORS.get_or_raise(spec).from_options(options)
-    return PrefixPredictor(k=k, fn=spec)
+    return PrefixPredictor(k=options.prefix_k, fn=spec, min_train=options.prefix_min_train, l2=options.prefix_l2)

@@ -1,0 +1,32 @@
+"""Checks of user-given config values: each raises `ValueError` naming the field and what it accepts."""
+
+from __future__ import annotations
+
+
+def choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def integer(name: str, value, minimum: int = 1, allow_none: bool = False) -> None:
+    """An int (not a bool, not a float such as 2.5 or 16.0) >= `minimum`, or None where allowed."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"`{name}` must be an integer >= {minimum}{none}, got {value!r}.")
+
+
+def number(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a number, got {value!r}.")
+
+
+def positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        none = " or None" if allow_none else ""
+        raise ValueError(f"`{name}` must be a number {bound}{none}, got {value!r}.")
