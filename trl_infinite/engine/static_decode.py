@@ -2,7 +2,7 @@
 
 `DecodeRows` holds the batch on the device; a step pads it to a bucket of rows (`bucket_sizes`) and runs
 `StaticDecoder._step` over fixed shapes: metadata from the persistent tables, the model forward, the logits
-processors and the Gumbel race. Nothing in `_step` reads device data on the host, so it runs
+processors and the inverse-CDF draw. Nothing in `_step` reads device data on the host, so it runs
 - eagerly (the default off CUDA),
 - compiled with `torch.compile(fullgraph=True)` (`EngineConfig.compile`, on any device), and/or
 - captured in one CUDA graph per bucket and replayed (`EngineConfig.cuda_graphs`, on CUDA).
