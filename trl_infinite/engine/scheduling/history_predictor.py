@@ -183,10 +183,3 @@ class HistoryPredictor(LengthPredictor):
     def mae_by_source(self) -> dict[str, tuple[float, int]]:
         """{source: (MAE, samples)} of the first predictions, per chain link that made them."""
         return {s: (sum(e) / len(e), len(e)) for s, e in self.errors.items() if e}
-
-    def reset_scores(self) -> None:
-        """Forget the error tallies (e.g. to score one epoch only); what was learnt stays."""
-        self.abs_errors.clear()
-        self.baseline_errors.clear()
-        for errs in self.errors.values():
-            errs.clear()
