@@ -106,3 +106,42 @@ def test_shared_prefix_blocks_are_read_not_copied():
     assert slots[0, :10].tolist() == [3 * B + i for i in range(4)] + [7 * B + i for i in range(4)] + [B, B + 1]
     assert slots[0, 10].item() == 9 * B and slots[0, 14].item() == 2 * B  # own blocks start at offset 0
     assert len(set(slots[0, 10:].tolist()) & set(slots[2, 10:].tolist())) == 0
+
+
+@pytest.mark.parametrize("pattern", [(None, None), (3, None), (None, 8), (13, 8)],
+                         ids=["causal", "window-inside-own", "chunk", "window+chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_equals_whole_context(pattern, dtype):
+    # static-decode metadata with group slots (three prompts, the middle slot free, a padding row): the split
+    # prompt / own passes merged by log-sum-exp equal one attention over the whole context, including rows whose
+    # window no longer reaches their prompt (no prompt column visible)
+    from trl_infinite.engine.attention import LayerAttention, decode_metadata
+
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(NUM_BLOCKS * B, HKV, D, generator=gen).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS * B, HKV, D, generator=gen).to(dtype)
+    # rows: (prompt_len, prompt blocks, own blocks, position of the input token, group slot)
+    rows = [(10, [3, 7, 1], [9, 2], 15, 0), (10, [3, 7, 1], [5], 10, 0), (6, [4, 6], [11, 12, 13], 17, 2),
+            (6, [4, 6], [14], 8, 2), (0, [0, 0, 0], [0, 0, 0], 0, 0)]  # the last row is padding (null block 0)
+    pt = torch.tensor([r[1] + [0] * (3 - len(r[1])) for r in rows])
+    st = torch.tensor([r[2] + [0] * (3 - len(r[2])) for r in rows])
+    groups = torch.tensor([[3, 7, 1], [0, 0, 0], [4, 6, 0], [0, 0, 0]])  # 4 slots, slot 1 and 3 free
+    meta = decode_metadata(torch.tensor([r[3] for r in rows]), torch.tensor([r[0] for r in rows]), pt, st,
+                           torch.tensor([0, 0, 1, 1, -1]), B, torch.tensor([r[4] for r in rows]), groups)
+    query = torch.randn(len(rows), H, D, generator=gen).to(dtype)
+    layer = LayerAttention(scale=SCALE, sliding_window=pattern[0], chunk_size=pattern[1])
+    split = with_context(meta, (pattern,))
+    assert split.context.cascade is not None
+    whole = with_context(meta.__class__(**{**meta.__dict__, "group_prefix_table": None}), (pattern,))
+    got = torch_paged_attention(query, k_cache, v_cache, split, layer)
+    ref = torch_paged_attention(query, k_cache, v_cache, whole, layer)
+    assert whole.context.cascade is None and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got[:4].float() - ref[:4].float()).abs().max().item() < tol  # real rows
+    assert torch.isfinite(got).all()  # the padding row too
+    if pattern[0] == 3:
+        assert not split.context.cascade.prefix_visible[pattern][0]  # row 0 sees no prompt column
+    # a layer with soft-capping reads the whole-context masks of the same plan
+    capped = LayerAttention(scale=SCALE, softcap=1.0, sliding_window=pattern[0], chunk_size=pattern[1])
+    assert torch.equal(torch_paged_attention(query, k_cache, v_cache, split, capped),
+                       torch_paged_attention(query, k_cache, v_cache, whole, capped))

@@ -61,6 +61,18 @@ def _check_rows_match_host_metadata(rows: DecodeRows, seqs, grown=(), rebuilt=()
     valid = want.masks[(None, None)] == 0
     assert torch.equal(got.masks[(None, None)] == 0, valid)  # the same columns are visible ...
     assert torch.equal(got.slots.view(n, -1)[valid[:, 0, 0]], want.slots.view(n, -1)[valid[:, 0, 0]])  # ... same slots
+    _check_group_slots(rows, seqs, row_of)
+
+
+def _check_group_slots(rows: DecodeRows, seqs, row_of):
+    """Rows share a group slot iff they share a group; the slot's prompt table is the group's prompt blocks."""
+    slot = {s.seq_id: rows.group_slot[r].item() for s, r in zip(seqs, row_of)}
+    for s in seqs:
+        blocks = s.group.prompt_blocks
+        assert rows.group_prefix[slot[s.seq_id], : len(blocks)].tolist() == blocks
+        for t in seqs:
+            assert (slot[s.seq_id] == slot[t.seq_id]) == (s.group_id == t.group_id)
+    assert rows.group_slots_used == max(slot.values(), default=-1) + 1
 
 
 def _step(rows: DecodeRows, seqs, tokens):
@@ -88,6 +100,23 @@ def test_decode_rows_follow_joins_finishes_and_growth():
     c.blocks = [20, 21]  # preempted and re-admitted with a recompute: a new block list, the row is rewritten
     _check_rows_match_host_metadata(rows, [d, c], rebuilt=[c])
     assert rows.max_own_blocks == 2 and rows.max_prompt_blocks == 3
+
+
+def test_group_slots_are_reused_lowest_first():
+    rows = DecodeRows(8, 4, 4, BLOCK, null_block=99, device=torch.device("cpu"), vocab=None)
+    g0 = [_sample(0, 5, [1, 2], [7], [10]), _sample(0, 5, [1, 2], [7], [11])]
+    g1, g2 = [_sample(1, 3, [3], [7], [12])], [_sample(2, 4, [4], [7], [13])]
+    rows.update(g0 + g1 + g2)
+    assert [rows.group_slot[rows.row_of[s.seq_id]].item() for s in g0 + g1 + g2] == [0, 0, 1, 2]
+    g3 = [_sample(3, 6, [5, 6], [7], [14])]
+    row_of = rows.update(g0 + g2 + g3)  # group 1 left: its slot is the lowest free one, group 3 takes it
+    assert rows.group_slot[rows.row_of[g3[0].seq_id]].item() == 1 and rows.group_prefix[1, :2].tolist() == [5, 6]
+    _check_group_slots(rows, g0 + g2 + g3, row_of)
+    row_of = rows.update(g0 + g3)  # the highest slot freed: the used range shrinks
+    assert rows.group_slots_used == 2
+    _check_group_slots(rows, g0 + g3, row_of)
+    rows.clear()
+    assert rows.group_slots_used == 0
 
 
 def test_seen_rows_mark_prompt_and_outputs():

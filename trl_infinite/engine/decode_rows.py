@@ -7,6 +7,10 @@ prompt's block table and the sample's own block table, and with a repetition pen
 Rows `>= n` are padding: every table entry points at the pool's null block and the group is -1, so a padded row
 writes and reads only that block.
 
+Each row also holds the slot of its group (`group_slot`) in a table of the batch's distinct prompts
+(`group_prefix`, one row per group slot, lowest free slot first), which the torch backend uses to attend each prompt
+once for all its rows. A slot is written when its group's first row joins and freed when its last row leaves.
+
 The static step itself advances the rows it decodes (input token := the sampled one, position + 1, the token marked
 as seen), so between two steps the host uploads only what changed: the whole state of joining rows, and the block
 ids the scheduler appended (`ScheduledBatch.grown`). A row is rewritten when the sample's KV was rebuilt (preempted
@@ -38,6 +42,12 @@ class DecodeRows:
         self.prefix_table = torch.full((capacity, prefix_cols), null_block, dtype=torch.long, device=device)
         self.suffix_table = torch.full((capacity, own_cols), null_block, dtype=torch.long, device=device)
         self.seen = torch.zeros(capacity, vocab, dtype=torch.bool, device=device) if vocab else None
+        self.group_slot = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.group_prefix = torch.full((max(capacity, 2), prefix_cols), null_block, dtype=torch.long, device=device)
+        self._slot_of: dict[tuple, int] = {}  # (group id, prompt blocks) -> slot
+        self._slot_key: list[tuple | None] = []  # slot -> its key (None: free)
+        self._slot_rows: list[int] = []  # slot -> rows using it
+        self._row_slot: list[int] = []  # per row: its group slot
         self.seqs: list[Sequence] = []  # row -> sample
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self._written: list[int] = []  # per row: own block ids uploaded
@@ -57,6 +67,11 @@ class DecodeRows:
     def max_prompt_blocks(self) -> int:
         return max(self._prompt, default=0)
 
+    @property
+    def group_slots_used(self) -> int:
+        """Group slots up to the highest one in use (the width of the prompt pass)."""
+        return len(self._slot_key)
+
     def clear(self) -> None:
         """Forget every row (after a step that appended tokens without advancing the rows on the device)."""
         self.update([])
@@ -66,7 +81,8 @@ class DecodeRows:
                 and (vocab is None or (self.seen is not None and self.seen.shape[1] == vocab)))
 
     def _state(self) -> list[torch.Tensor]:
-        tensors = [self.inputs.T, self.prompt_len, self.group, self.sample, self.prefix_table, self.suffix_table]
+        tensors = [self.inputs.T, self.prompt_len, self.group, self.sample, self.prefix_table, self.suffix_table,
+                   self.group_slot]
         return tensors + ([self.seen] if self.seen is not None else [])
 
     # ------------------------------------------------------------------ one step
@@ -112,6 +128,7 @@ class DecodeRows:
             del self.row_of[seq.seq_id]
             self._count(self._own, self._written[r], None)
             self._count(self._prompt, self._prompt_n[r], None)
+            self._release_slot(self._row_slot[r])
         if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
@@ -119,14 +136,16 @@ class DecodeRows:
                 t[dst] = t[src]
             for h, mv in zip(holes, movers):
                 self.seqs[h], self._written[h], self._prompt_n[h] = self.seqs[mv], self._written[mv], self._prompt_n[mv]
+                self._row_slot[h] = self._row_slot[mv]
                 self.row_of[self.seqs[h].seq_id] = h
-        del self.seqs[m:], self._written[m:], self._prompt_n[m:]
+        del self.seqs[m:], self._written[m:], self._prompt_n[m:], self._row_slot[m:]
         self.inputs[:, m:n] = 0
         self.prompt_len[m:n] = 0
         self.group[m:n] = -1
         self.sample[m:n] = 0
         self.prefix_table[m:n] = self.null_block
         self.suffix_table[m:n] = self.null_block
+        self.group_slot[m:n] = 0
 
     def _join(self, joiners: list[Sequence]) -> None:
         """Write every piece of state of new rows (one upload per tensor)."""
@@ -138,6 +157,17 @@ class DecodeRows:
         self.prompt_len[rows], self.group[rows], self.sample[rows] = ids[:, 2], ids[:, 3], ids[:, 4]
         self.prefix_table[rows] = self._table([s.group.prompt_blocks for s in joiners], self.prefix_cols)
         self.suffix_table[rows] = self._table([s.blocks for s in joiners], self.own_cols)
+        slots, fresh = [], {}
+        for s in joiners:
+            slot = self._take_slot((s.group_id, tuple(s.group.prompt_blocks)))
+            slots.append(slot)
+            if self._slot_rows[slot] == 1:  # the group's first row: write its prompt table
+                fresh[slot] = s.group.prompt_blocks
+        self._row_slot.extend(slots)
+        self.group_slot[rows] = torch.tensor(slots, dtype=torch.long).to(self.device)
+        if fresh:
+            at = torch.tensor(list(fresh), dtype=torch.long, device=self.device)
+            self.group_prefix[at] = self._table(list(fresh.values()), self.prefix_cols)
         for i, s in enumerate(joiners):
             self.row_of[s.seq_id] = start + i
             self.seqs.append(s)
@@ -150,6 +180,27 @@ class DecodeRows:
             cells = [(start + i, t) for i, s in enumerate(joiners) for t in (*s.group.prompt_ids, *s.output_ids)]
             c = torch.tensor(cells, dtype=torch.long).to(self.device)
             self.seen[c[:, 0], c[:, 1]] = True
+
+    def _take_slot(self, key: tuple) -> int:
+        slot = self._slot_of.get(key)
+        if slot is None:
+            slot = next((i for i, k in enumerate(self._slot_key) if k is None), len(self._slot_key))
+            if slot == len(self._slot_key):
+                self._slot_key.append(None)
+                self._slot_rows.append(0)
+            self._slot_key[slot] = key
+            self._slot_of[key] = slot
+        self._slot_rows[slot] += 1
+        return slot
+
+    def _release_slot(self, slot: int) -> None:
+        self._slot_rows[slot] -= 1
+        if not self._slot_rows[slot]:
+            del self._slot_of[self._slot_key[slot]]
+            self._slot_key[slot] = None
+            while self._slot_key and self._slot_key[-1] is None:  # keep the used range tight
+                self._slot_key.pop()
+                self._slot_rows.pop()
 
     def _table(self, lists: list[list[int]], cols: int) -> torch.Tensor:
         out = torch.full((len(lists), cols), self.null_block, dtype=torch.long)

@@ -142,14 +142,18 @@ class StaticDecoder:
                 pcols, ocols = _pow2_at_least(rows.max_prompt_blocks, pcols), _pow2_at_least(rows.max_own_blocks, ocols)
             else:  # at least 2: a width of 1 would be specialised by the compiler (tables have >= 2 columns)
                 pcols, ocols = max(2, rows.max_prompt_blocks), max(2, rows.max_own_blocks)
-        tables = rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols]
+        # group slots in use, bucketed to powers of two (a static size, one compiled graph / CUDA graph per bucket)
+        used = rows.group_slots_used
+        slots = 1 if used <= 1 else min(rows.group_prefix.shape[0], _pow2_at_least(used, 1 << 30))
+        tables = rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols], rows.group_prefix[:slots, :pcols]
         if not self.use_graphs:  # one memory layout whatever the widths (a graph instead keeps the views' addresses)
             tables = tuple(t.clone(memory_format=torch.contiguous_format) for t in tables)
         args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
-                *tables, None if rows.seen is None else rows.seen[:padded], self.seed)
+                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, rows.group_slot[:padded],
+                tables[2])
         t1 = time.perf_counter()
         if self.use_graphs:
-            tokens, logprobs, hidden = self._replay((padded, pcols, ocols), args)
+            tokens, logprobs, hidden = self._replay((padded, pcols, ocols, slots), args)
         else:
             tokens, logprobs, hidden = self._run(args)
         packed = torch.stack([tokens[:n].double(), logprobs[:n].double()])  # [2, n]: ids are exact in float64
@@ -181,11 +185,12 @@ class StaticDecoder:
             if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
                 torch._dynamo.maybe_mark_dynamic(args[4], 1)
                 torch._dynamo.maybe_mark_dynamic(args[5], 1)
+                torch._dynamo.maybe_mark_dynamic(args[9], 1)
             # Dynamo's guards over every parameter and attribute the step reads cost about as much as a small
             # model's forward. They are evaluated in full the first time a (bucket, sampling settings) pair runs
             # (compiling it if needed); afterwards only the guards that tell the compiled graphs apart run. The
             # engine itself re-arms full checking when parameter storage changes (see `begin`).
-            key = (args[0].shape[1], self.sampler.params_key, self.want_hidden, args[6] is None)
+            key = (args[0].shape[1], args[9].shape[0], self.sampler.params_key, self.want_hidden, args[6] is None)
             if key in self._guarded:
                 try:
                     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -196,12 +201,14 @@ class StaticDecoder:
             self._guarded.add(key)
             return self._compiled(*args)
 
-    def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed):
+    def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed, group_slot,
+              group_prefix):
         """The static region: [2, N] inputs and per-row state in, [N] tokens and log-probs out. Advances the rows
         for the next step on the device: input token := the sampled token, position + 1, the token marked seen
         (padding rows, group -1, keep position 0)."""
         ids, pos = inputs[0], inputs[1]
-        meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size)
+        meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size, group_slot,
+                               group_prefix)
         logits, hidden = self.runner.run(ids[None], pos[None], meta, 0, self.want_hidden)
         logprobs = self.sampler.process(logits, seen)
         keys = row_keys(seed, group, sample, pos + 1)

@@ -4,7 +4,10 @@ Rows (B = --prompts-per-call prompts per engine call, G from the trace, g = --sl
 dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --predictor, and lrf with divided
 rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths,
 the paper's Infinite-sampling*) and "bound" (sum over engine calls of max(longest, total work / g), which no g-slot
-schedule beats). A trace that revisits prompts (`record_traces.py --epochs 2`) is replayed epoch after epoch with the
+schedule beats). With --random-orders R, "fifo_random_order" is fixed_slot FIFO averaged over R random orders of
+each prompt's samples: with one prompt per call, the expected steps of *any* policy that does not preempt and cannot
+tell a prompt's samples apart (whatever it knows about the prompt), since its picks are then a uniformly random
+order of exchangeable samples; the gap to "bound" is what only per-sample information or preemption can close. A trace that revisits prompts (`record_traces.py --epochs 2`) is replayed epoch after epoch with the
 engine's per-prompt history carried across calls; the table counts the calls of --eval-epochs only (default: the
 last epoch), so the second epoch is scheduled with what the first one taught. With --prefix-mae (needs the SmolLM2
 weights and traces with prefix ids) it also reports the prefix predictor's leave-one-prompt-out mean absolute error
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from dataclasses import asdict, dataclass, replace
 
 from ..engine.scheduling.predictors import PREDICTORS
@@ -51,7 +55,7 @@ def eval_epochs(records: list[TraceRecord], wanted: list[int] | None) -> set[int
 
 
 def run_table(records, base: SimConfig, predictor: str, features: dict | None = None, rows: list[Row] | None = None,
-              epochs: set[int] | None = None, row_chunk_tokens: int = 128) -> list[dict]:
+              epochs: set[int] | None = None, row_chunk_tokens: int = 128, random_orders: int = 0) -> list[dict]:
     """One dict per row: totals over the calls of `epochs` (default: the last epoch of the trace)."""
     epochs = epochs or eval_epochs(records, None)
     out = []
@@ -68,6 +72,10 @@ def run_table(records, base: SimConfig, predictor: str, features: dict | None = 
                     "peak_kv_blocks": res.peak_kv_blocks, "preemptions": res.preemptions,
                     "mean_length": res.mean_length})
     bound = out[0]["bound"]
+    if random_orders:
+        steps = random_order_steps(records, base, epochs, random_orders)
+        out.append({"policy": "fifo_random_order", "mode": "fixed_slot", "scheduler": "fifo",
+                    "decode_steps": round(steps), "bound": bound, "orders": random_orders})
     out.append({"policy": "bound", "mode": "-", "scheduler": "-", "decode_steps": bound, "bound": bound})
     naive = next((r["decode_steps"] for r in out if r["policy"] == "micro_group"), None)
     fifo = next((r["decode_steps"] for r in out if r["policy"] == "fixed_slot"), None)
@@ -76,6 +84,22 @@ def run_table(records, base: SimConfig, predictor: str, features: dict | None = 
         r["x_fifo"] = r["decode_steps"] / fifo if fifo else None
         r["x_bound"] = r["decode_steps"] / bound
     return out
+
+
+def random_order_steps(records: list[TraceRecord], base: SimConfig, epochs: set[int], orders: int,
+                       seed: int = 0) -> float:
+    """Mean decode steps of fixed_slot FIFO over the calls of `epochs` when each prompt's samples come in a random
+    order (`orders` draws, seeded): see the module docstring for what it bounds."""
+    counted = [r for r in records if r.epoch in epochs]
+    cfg = replace(base, sampling_mode="fixed_slot", scheduler="fifo", length_predictor="none", chunk_tokens=None,
+                  history_max_prompts=0)
+    rng = random.Random(seed)
+    total = 0
+    for _ in range(orders):
+        shuffled = [replace(r, lengths=rng.sample(r.lengths, len(r.lengths)), finished=None, prefix_ids=None,
+                            completion_ids=None) for r in counted]
+        total += simulate(shuffled, cfg).decode_steps
+    return total / orders
 
 
 def _fmt(x, spec: str = ".0f") -> str:
@@ -113,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="length_predictor=history: links between the history and the mean (EngineConfig field).")
     p.add_argument("--prefix-mae", nargs="*", type=int, default=None, help="Report the prefix predictor MAE at "
                    "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct.")
+    p.add_argument("--random-orders", type=int, default=0, help="Add the fifo_random_order row, averaged over this "
+                   "many random orders of each prompt's samples (0: no such row).")
     p.add_argument("--json", default=None, help="Write every row as JSON here.")
     args = p.parse_args(argv)
     base = SimConfig(slots=args.slots, prompts_per_call=args.prompts_per_call, block_size=args.block_size,
@@ -137,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
             maes = {k: evaluate_mae(records, allf[k]) for k in (args.prefix_mae or [])}
             feats = allf[args.prefix_k]
         epochs = eval_epochs(records, args.eval_epochs)
-        table = run_table(records, base, args.predictor, feats, rows, epochs, args.row_chunk_tokens)
+        if args.random_orders < 0:
+            raise ValueError(f"`--random-orders` must be >= 0, got {args.random_orders}.")
+        table = run_table(records, base, args.predictor, feats, rows, epochs, args.row_chunk_tokens,
+                          args.random_orders)
         name = records[0].dataset or path
         counted = [r for r in records if r.epoch in epochs]
         g = len(records[0].lengths)

@@ -44,12 +44,27 @@ class Segment:
 
 
 @dataclass
+class CascadePlan:
+    """Decode context split at the prompt (torch backend, static decode): the prompts of the `Gb` groups in the batch
+    are gathered once each and attended by every row in one call, each row's own tokens separately, and the two
+    halves merged by log-sum-exp. Row `n` sees prefix column `c` iff `c // Cp == group_slot[n]`, `c % Cp` is
+    inside its prompt and the layer's mask allows it."""
+
+    prefix_slots: torch.Tensor  # [Gb * Cp] pool slot of every prompt column of every group slot
+    own_slots: torch.Tensor  # [S * Cs] pool slot of every own column, row-major
+    prefix_masks: dict[MaskKey, torch.Tensor]  # [1, 1, S, Gb * Cp] additive bias
+    own_masks: dict[MaskKey, torch.Tensor]  # [S, 1, 1, Cs] additive bias
+    prefix_visible: dict[MaskKey, torch.Tensor]  # [S] bool: the row sees at least one prompt column
+
+
+@dataclass
 class ContextPlan:
     """Per-forward context layout of the torch backend (S segments, Q = longest query run, C = Cp + Cs)."""
 
     slots: torch.Tensor  # [S * C] pool slot of every context column, segment-major
     masks: dict[MaskKey, torch.Tensor]  # [S, 1, Q, C] additive bias (0 / -inf): which columns each query sees
     query_index: tuple[torch.Tensor, torch.Tensor] | None  # (segment, index in segment) of each query; None: Q == 1
+    cascade: CascadePlan | None = None  # decode forwards that carry group slots (`decode_metadata`)
 
 
 @dataclass
@@ -68,6 +83,8 @@ class PagedAttentionMetadata:
     max_q_len: int  # host int: 1 for decode forwards
     context: ContextPlan | None = None  # filled by `with_context` for the torch backend
     cascade: tuple[torch.Tensor, torch.Tensor] | None = None  # Triton backend: (order, run_len), see `cascade_plan`
+    row_group_slot: torch.Tensor | None = None  # [S] decode: slot of each row's group in `group_prefix_table`
+    group_prefix_table: torch.Tensor | None = None  # [Gb, Wp] decode: prompt blocks of each group slot
 
     @property
     def is_decode(self) -> bool:
@@ -115,12 +132,45 @@ def with_context(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) -
         qpos[meta.q_seg, q_idx] = meta.q_pos
         query_index = (meta.q_seg, q_idx)
     pad = (qpos < 0)[:, :, None] & (col == 0)  # padding queries attend to one column (no NaN)
+    keys = tuple(dict.fromkeys(((None, None), *mask_keys)))
     masks = {}
-    for window, chunk in dict.fromkeys(((None, None), *mask_keys)):
+    for window, chunk in keys:
         mask = in_table[:, None, :] & allowed(qpos[:, :, None], kpos[:, None, :], window, chunk)  # [S, Q, C]
-        bias = torch.zeros(mask.shape, device=device).masked_fill_(~(mask | pad), float("-inf"))
-        masks[(window, chunk)] = bias[:, None]
-    return replace(meta, context=ContextPlan(slots=slots.reshape(-1), masks=masks, query_index=query_index))
+        masks[(window, chunk)] = _bias(mask | pad)[:, None]
+    cascade = None
+    if meta.is_decode and meta.group_prefix_table is not None and device.type == "cpu":
+        # (the log-sum-exp it needs comes from the CPU attention kernel; the whole-context masks above still serve
+        # the layers that need explicit scores, and are dropped by the compiler when no layer reads them)
+        cascade = _cascade_plan(meta, keys)
+    return replace(meta, context=ContextPlan(slots=slots.reshape(-1), masks=masks, query_index=query_index,
+                                             cascade=cascade))
+
+
+def _bias(visible: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _cascade_plan(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) -> CascadePlan:
+    """The split decode context (see `CascadePlan`), built once per forward."""
+    bs, device = meta.block_size, meta.prompt_lens.device
+    groups = meta.group_prefix_table  # [Gb, Wp]
+    cp = groups.shape[1] * bs
+    pcol = torch.arange(groups.shape[0] * cp, device=device)  # [Gb * Cp]
+    ppos = pcol % cp  # absolute position of each prompt column
+    mine = (pcol // cp)[None, :] == meta.row_group_slot[:, None]  # [S, Gb * Cp]
+    in_prompt = mine & (ppos[None, :] < meta.prompt_lens[:, None])
+    cs = meta.suffix_table.shape[1] * bs
+    opos = meta.prompt_lens[:, None] + torch.arange(cs, device=device)  # [S, Cs] absolute position of own columns
+    qpos = meta.q_pos[:, None]
+    prefix_masks, own_masks, prefix_visible = {}, {}, {}
+    for window, chunk in mask_keys:
+        seen = in_prompt & allowed(qpos, ppos[None, :], window, chunk)  # [S, Gb * Cp]
+        prefix_masks[(window, chunk)] = _bias(seen)[None, None]
+        prefix_visible[(window, chunk)] = seen.any(1)
+        own_masks[(window, chunk)] = _bias(allowed(qpos, opos, window, chunk))[:, None, None]
+    return CascadePlan(prefix_slots=_table_slots(groups, bs).reshape(-1),
+                       own_slots=_table_slots(meta.suffix_table, bs).reshape(-1), prefix_masks=prefix_masks,
+                       own_masks=own_masks, prefix_visible=prefix_visible)
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:
@@ -168,8 +218,11 @@ def decode_metadata(
     suffix_table: torch.Tensor,  # [N, Ws]
     groups: torch.Tensor,  # [N]
     block_size: int,
+    row_group_slot: torch.Tensor | None = None,  # [N] slot of each row's group in `group_prefix_table`
+    group_prefix_table: torch.Tensor | None = None,  # [Gb, Wp] prompt blocks per group slot (cascade decode)
 ) -> PagedAttentionMetadata:
-    """Metadata of a decode forward (one query per row) from device tensors only: no host sync, static shapes."""
+    """Metadata of a decode forward (one query per row) from device tensors only: no host sync, static shapes.
+    With the group slots, the torch backend attends each group's prompt once for all its rows (`CascadePlan`)."""
     rows = torch.arange(positions.shape[0], device=positions.device)
     own = positions - prompt_lens  # the input token is a completion token: it lives in the row's own blocks
     block = suffix_table.gather(1, (own // block_size)[:, None])[:, 0]
@@ -184,4 +237,6 @@ def decode_metadata(
         suffix_table=suffix_table,
         seg_group=groups,
         max_q_len=1,
+        row_group_slot=row_group_slot,
+        group_prefix_table=group_prefix_table,
     )

@@ -8,6 +8,12 @@ Implements every `LayerAttention` feature: GQA / MQA (any query-head multiple of
 widths (MLA), sliding windows, chunked attention (the masks), logit soft-capping and attention sinks. Without
 soft-cap and sinks it runs `scaled_dot_product_attention`; with either, the explicit score matrix (softmax in
 float32).
+
+Static decode steps on CPU carry the batch's group slots (`decode_metadata`), and there the context is split at the
+prompt (`_cascade_decode`, the torch counterpart of the Triton cascade kernel): each group's prompt is gathered once
+and attended by all its rows in one call, the rows' own tokens in a second call, merged by log-sum-exp. On the
+host-bound 28-layer benchmark this takes about a fifth off the compiled decode step (`benchmarks/RESULTS.md`).
+Layers with soft-cap or sinks, and MLA layers, keep the whole-context path.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ def torch_paged_attention(
     """Attention of every query token over its segment's context in the pool (new tokens already written)."""
     plan = meta.context
     num_seg = meta.prompt_lens.shape[0]
+    if plan.cascade is not None and not layer.needs_scores and k_cache.shape[2] == v_cache.shape[2]:
+        # (the CPU kernel that returns the log-sum-exp wants keys and values of one width: not MLA)
+        return _cascade_decode(query, k_cache, v_cache, meta, layer)
     keys = k_cache.index_select(0, plan.slots).view(num_seg, -1, *k_cache.shape[1:]).transpose(1, 2)  # [S,Hkv,C,Dk]
     values = v_cache.index_select(0, plan.slots).view(num_seg, -1, *v_cache.shape[1:]).transpose(1, 2)
     key = (layer.sliding_window, layer.chunk_size)
@@ -44,12 +53,63 @@ def torch_paged_attention(
         q = q.transpose(1, 2)
     if layer.needs_scores:
         out = _explicit_attention(q, keys, values, bias, layer)
+    elif plan.query_index is None:
+        # decode: the g = H / Hkv query heads that share a KV head attend as g query rows of one call, so the
+        # kernel works on S * Hkv (segment, KV head) pairs instead of S * H
+        rows, heads, dk = query.shape
+        q = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dk)  # [S, Hkv, g, Dk]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scale)  # [S, Hkv, g, Dv]
+        return out.reshape(rows, heads, -1)
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scale,
                                              enable_gqa=keys.shape[1] != q.shape[1])  # [S, H, Q, Dv]
     if plan.query_index is None:
         return out.squeeze(2)
     return out.transpose(1, 2)[plan.query_index]
+
+
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, logsumexp)
+
+
+def _cascade_decode(
+    query: torch.Tensor,  # [S, H, Dk] one query per row
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    layer: LayerAttention,
+) -> torch.Tensor:  # [S, H, Dv]
+    """Decode attention with the prompt part shared (`metadata.CascadePlan`, CPU).
+
+    With g = H / Hkv query heads per KV head, the prompt pass puts the g heads in the batch dimension and every row
+    in the query dimension: [g, Hkv, S, Dk] queries against the [Hkv, Gb * Cp, Dk] prompt columns of all group
+    slots, a few large blocks instead of S * H small ones, and each prompt gathered once instead of once per row.
+    The own pass is [S, Hkv, g, Dk] against each row's own columns. The two are merged exactly:
+
+        out = (o_p * exp(lse_p - m) + o_s * exp(lse_s - m)) / (exp(lse_p - m) + exp(lse_s - m)),  m = max(lse_p, lse_s)
+
+    where a row that sees no prompt column (a sliding window past the prompt) gets lse_p = -inf.
+    """
+    plan = meta.context.cascade
+    key = (layer.sliding_window, layer.chunk_size)
+    if key not in plan.own_masks:  # a pattern the engine was not told about: build it here (correct, not cached)
+        plan = with_context(meta, (key,)).context.cascade
+    rows, heads, dk = query.shape
+    kv_heads, dv = k_cache.shape[1], v_cache.shape[2]
+    group = heads // kv_heads
+    q = query.reshape(rows, kv_heads, group, dk)  # [S, Hkv, g, Dk]
+    pk = k_cache.index_select(0, plan.prefix_slots).view(1, -1, kv_heads, dk).transpose(1, 2)  # [1, Hkv, Gb*Cp, Dk]
+    pv = v_cache.index_select(0, plan.prefix_slots).view(1, -1, kv_heads, dv).transpose(1, 2)
+    o_p, lse_p = _flash_with_lse(q.permute(2, 1, 0, 3), pk.expand(group, -1, -1, -1), pv.expand(group, -1, -1, -1),
+                                 attn_mask=plan.prefix_masks[key].to(query.dtype), scale=layer.scale)
+    o_p, lse_p = o_p.permute(2, 1, 0, 3), lse_p.permute(2, 1, 0)  # [S, Hkv, g, Dv], [S, Hkv, g]
+    lse_p = lse_p.masked_fill(~plan.prefix_visible[key][:, None, None], float("-inf"))
+    sk = k_cache.index_select(0, plan.own_slots).view(rows, -1, kv_heads, dk).transpose(1, 2)  # [S, Hkv, Cs, Dk]
+    sv = v_cache.index_select(0, plan.own_slots).view(rows, -1, kv_heads, dv).transpose(1, 2)
+    o_s, lse_s = _flash_with_lse(q, sk, sv, attn_mask=plan.own_masks[key].to(query.dtype), scale=layer.scale)
+    m = torch.maximum(lse_p, lse_s)
+    w_p, w_s = torch.exp(lse_p - m)[..., None], torch.exp(lse_s - m)[..., None]
+    out = (o_p.float() * w_p + o_s.float() * w_s) / (w_p + w_s)
+    return out.to(query.dtype).reshape(rows, heads, dv)
 
 
 def _explicit_attention(q, keys, values, bias, layer: LayerAttention) -> torch.Tensor:
