@@ -77,6 +77,7 @@ class StaticDecoder:
         # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
         # in use
         self.full_tables = not runner.backend.gathers_columns
+        self.cascade_slots = not self.full_tables and self.device.type == "cpu"  # see `metadata.with_context`
         self.rows: DecodeRows | None = None
         self.sampler: Sampler | None = None
         self.want_hidden = False
@@ -142,8 +143,9 @@ class StaticDecoder:
                 pcols, ocols = _pow2_at_least(rows.max_prompt_blocks, pcols), _pow2_at_least(rows.max_own_blocks, ocols)
             else:  # at least 2: a width of 1 would be specialised by the compiler (tables have >= 2 columns)
                 pcols, ocols = max(2, rows.max_prompt_blocks), max(2, rows.max_own_blocks)
-        # group slots in use, bucketed to powers of two (a static size, one compiled graph / CUDA graph per bucket)
-        used = rows.group_slots_used
+        # group slots in use, bucketed to powers of two (a static size: one compiled graph per bucket); only the
+        # torch backend on CPU reads them (its cascade decode), elsewhere one fixed slice keeps the graphs' keys
+        used = rows.group_slots_used if self.cascade_slots else 1
         slots = 1 if used <= 1 else min(rows.group_prefix.shape[0], _pow2_at_least(used, 1 << 30))
         tables = rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols], rows.group_prefix[:slots, :pcols]
         if not self.use_graphs:  # one memory layout whatever the widths (a graph instead keeps the views' addresses)
