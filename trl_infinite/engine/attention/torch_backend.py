@@ -53,13 +53,6 @@ def torch_paged_attention(
         q = q.transpose(1, 2)
     if layer.needs_scores:
         out = _explicit_attention(q, keys, values, bias, layer)
-    elif plan.query_index is None:
-        # decode: the g = H / Hkv query heads that share a KV head attend as g query rows of one call, so the
-        # kernel works on S * Hkv (segment, KV head) pairs instead of S * H
-        rows, heads, dk = query.shape
-        q = query.reshape(rows, keys.shape[1], heads // keys.shape[1], dk)  # [S, Hkv, g, Dk]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scale)  # [S, Hkv, g, Dv]
-        return out.reshape(rows, heads, -1)
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scale,
                                              enable_gqa=keys.shape[1] != q.shape[1])  # [S, H, Q, Dv]
