@@ -43,7 +43,7 @@ class DecodeRows:
         self.suffix_table = torch.full((capacity, own_cols), null_block, dtype=torch.long, device=device)
         self.seen = torch.zeros(capacity, vocab, dtype=torch.bool, device=device) if vocab else None
         self.group_slot = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.group_prefix = torch.full((max(capacity, 2), prefix_cols), null_block, dtype=torch.long, device=device)
+        self.group_prefix = torch.full((capacity, prefix_cols), null_block, dtype=torch.long, device=device)
         self._slot_of: dict[tuple, int] = {}  # (group id, prompt blocks) -> slot
         self._slot_key: list[tuple | None] = []  # slot -> its key (None: free)
         self._slot_rows: list[int] = []  # slot -> rows using it
@@ -151,20 +151,19 @@ class DecodeRows:
         """Write every piece of state of new rows (one upload per tensor)."""
         start = len(self.seqs)
         rows = torch.arange(start, start + len(joiners), device=self.device)
-        ids = torch.tensor([[s.output_ids[-1], s.num_tokens - 1, s.prompt_len, s.group_id, s.sample_idx]
-                            for s in joiners], dtype=torch.long).to(self.device)
-        self.inputs[:, rows] = ids[:, :2].T
-        self.prompt_len[rows], self.group[rows], self.sample[rows] = ids[:, 2], ids[:, 3], ids[:, 4]
-        self.prefix_table[rows] = self._table([s.group.prompt_blocks for s in joiners], self.prefix_cols)
-        self.suffix_table[rows] = self._table([s.blocks for s in joiners], self.own_cols)
-        slots, fresh = [], {}
+        fresh = {}  # group slots taken by their group's first row: their prompt tables are written
         for s in joiners:
             slot = self._take_slot((s.group_id, tuple(s.group.prompt_blocks)))
-            slots.append(slot)
-            if self._slot_rows[slot] == 1:  # the group's first row: write its prompt table
+            self._row_slot.append(slot)
+            if self._slot_rows[slot] == 1:
                 fresh[slot] = s.group.prompt_blocks
-        self._row_slot.extend(slots)
-        self.group_slot[rows] = torch.tensor(slots, dtype=torch.long).to(self.device)
+        ids = torch.tensor([[s.output_ids[-1], s.num_tokens - 1, s.prompt_len, s.group_id, s.sample_idx, slot]
+                            for s, slot in zip(joiners, self._row_slot[start:])], dtype=torch.long).to(self.device)
+        self.inputs[:, rows] = ids[:, :2].T
+        self.prompt_len[rows], self.group[rows], self.sample[rows] = ids[:, 2], ids[:, 3], ids[:, 4]
+        self.group_slot[rows] = ids[:, 5]
+        self.prefix_table[rows] = self._table([s.group.prompt_blocks for s in joiners], self.prefix_cols)
+        self.suffix_table[rows] = self._table([s.blocks for s in joiners], self.own_cols)
         if fresh:
             at = torch.tensor(list(fresh), dtype=torch.long, device=self.device)
             self.group_prefix[at] = self._table(list(fresh.values()), self.prefix_cols)
