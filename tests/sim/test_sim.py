@@ -100,3 +100,13 @@ def test_random_order_row_is_the_mean_over_sample_orders():
     same = TraceRecord(prompt_len=4, lengths=[7] * 6, max_new_tokens=64)
     rows = {r["policy"]: r for r in run_table([same], SimConfig(slots=2), "none", rows=[ROWS[1]], random_orders=5)}
     assert rows["fifo_random_order"]["decode_steps"] == rows["fixed_slot"]["decode_steps"]
+
+
+def test_random_orders_rejects_bad_counts():
+    from trl_infinite.sim.__main__ import random_order_steps
+
+    rec = TraceRecord(prompt_len=4, lengths=[2, 3], max_new_tokens=64)
+    with pytest.raises(ValueError, match="--random-orders"):
+        random_order_steps([rec], SimConfig(slots=1), {0}, orders=0)
+    with pytest.raises(ValueError, match="--random-orders"):
+        main(["--trace", "unused.jsonl", "--random-orders", "-1"])

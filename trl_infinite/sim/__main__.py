@@ -90,12 +90,15 @@ def random_order_steps(records: list[TraceRecord], base: SimConfig, epochs: set[
                        seed: int = 0) -> float:
     """Mean decode steps of fixed_slot FIFO over the calls of `epochs` when each prompt's samples come in a random
     order (`orders` draws, seeded): see the module docstring for what it bounds."""
+    if orders < 1:
+        raise ValueError(f"`--random-orders` must be >= 1 to add the fifo_random_order row, got {orders}.")
     counted = [r for r in records if r.epoch in epochs]
     cfg = replace(base, sampling_mode="fixed_slot", scheduler="fifo", length_predictor="none", chunk_tokens=None,
                   history_max_prompts=0)
     rng = random.Random(seed)
     total = 0
     for _ in range(orders):
+        # the per-sample fields that follow `lengths` are dropped rather than left describing other samples
         shuffled = [replace(r, lengths=rng.sample(r.lengths, len(r.lengths)), finished=None, prefix_ids=None,
                             completion_ids=None) for r in counted]
         total += simulate(shuffled, cfg).decode_steps
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                    "many random orders of each prompt's samples (0: no such row).")
     p.add_argument("--json", default=None, help="Write every row as JSON here.")
     args = p.parse_args(argv)
+    if args.random_orders < 0:
+        raise ValueError(f"`--random-orders` must be >= 0 (0: no fifo_random_order row), got {args.random_orders}.")
     base = SimConfig(slots=args.slots, prompts_per_call=args.prompts_per_call, block_size=args.block_size,
                      prefix_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon, chunk_tokens=args.chunk_tokens,
                      history_max_prompts=4096 if args.history_visits else 0,
@@ -163,8 +168,6 @@ def main(argv: list[str] | None = None) -> None:
             maes = {k: evaluate_mae(records, allf[k]) for k in (args.prefix_mae or [])}
             feats = allf[args.prefix_k]
         epochs = eval_epochs(records, args.eval_epochs)
-        if args.random_orders < 0:
-            raise ValueError(f"`--random-orders` must be >= 0, got {args.random_orders}.")
         table = run_table(records, base, args.predictor, feats, rows, epochs, args.row_chunk_tokens,
                           args.random_orders)
         name = records[0].dataset or path
