@@ -1,0 +1,91 @@
+"""The C++ CPU decode-attention kernel of the compiled CPU step (`engine/attention/cpu_decode.py`).
+
+- It builds here (a C++ compiler is needed for inductor's CPU code anyway) and equals the torch reference's
+  whole-context attention on rows with partial prompt and own blocks, shared prompts, a padding row, GQA, sliding
+  windows, chunks and both together, at head dims of one and two vector widths and with Dv != Dk.
+- `supports` says no to what it does not cover (bf16, soft-capping, sinks, head dims off the vector width), which
+  then keeps the torch path.
+- Compiled (inductor's C++ wrapper), the step calls it and greedy output stays token-identical to `model.generate`.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from _models import frequent_token, reference_greedy, tiny_model
+
+from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, torch_backend, with_context
+from trl_infinite.engine.attention.torch_backend import torch_paged_attention
+
+pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
+                                "(without it the engine logs a warning and keeps the torch path)")
+
+B, H, HKV, NUM_BLOCKS = 4, 4, 2, 24
+
+
+def _pool(dk: int, dv: int, gen: torch.Generator):
+    return (torch.randn(NUM_BLOCKS * B, HKV, dk, generator=gen), torch.randn(NUM_BLOCKS * B, HKV, dv, generator=gen))
+
+
+@pytest.mark.parametrize("pattern", [(None, None), (3, None), (None, 8), (13, 8)],
+                         ids=["causal", "window-inside-own", "chunk", "window+chunk"])
+@pytest.mark.parametrize("dims", [(16, 16), (32, 32), (32, 16)], ids=["d16", "d32", "dk32-dv16"])
+def test_kernel_equals_whole_context_attention(pattern, dims):
+    assert cpu_decode.build(), "the CPU decode kernel did not build (see the warning logged above)"
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = _pool(*dims, gen)
+    # rows: (prompt_len, prompt blocks, own blocks, position of the input token); the last row is padding
+    rows = [(10, [3, 7, 1], [9, 2], 15), (10, [3, 7, 1], [5], 10), (6, [4, 6], [11, 12, 13], 17), (6, [4, 6], [14], 8),
+            (1, [8], [10, 15, 16], 12), (0, [0, 0, 0], [0, 0, 0], 0)]
+    pt = torch.tensor([r[1] + [0] * (3 - len(r[1])) for r in rows])
+    st = torch.tensor([r[2] + [0] * (3 - len(r[2])) for r in rows])
+    positions, prompt_lens = torch.tensor([r[3] for r in rows]), torch.tensor([r[0] for r in rows])
+    meta = decode_metadata(positions, prompt_lens, pt, st, torch.tensor([0, 0, 1, 1, 2, -1]), B)
+    query = torch.randn(len(rows), H, dims[0], generator=gen)
+    layer = LayerAttention(scale=dims[0] ** -0.5, sliding_window=pattern[0], chunk_size=pattern[1])
+    assert cpu_decode.supports(query, k_cache, v_cache, layer)
+    ref = torch_paged_attention(query, k_cache, v_cache, with_context(meta, (pattern,)), layer)
+    got = cpu_decode.paged_decode_attention(query, k_cache, v_cache, pt, st, prompt_lens, positions, B, layer)
+    assert got.shape == (len(rows), H, dims[1])
+    assert (got[:-1] - ref[:-1]).abs().max().item() < 1e-5  # real rows (float32 throughout)
+    assert torch.isfinite(got).all()  # the padding row too
+
+
+def test_supports_only_what_it_computes():
+    assert cpu_decode.build()
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = _pool(16, 16, gen)
+    query = torch.randn(2, H, 16, generator=gen)
+    plain = LayerAttention(scale=0.25)
+    assert cpu_decode.supports(query, k_cache, v_cache, plain)
+    assert not cpu_decode.supports(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), plain)
+    assert not cpu_decode.supports(query, k_cache, v_cache, LayerAttention(scale=0.25, softcap=30.0))
+    assert not cpu_decode.supports(query, k_cache, v_cache, LayerAttention(scale=0.25, sinks=torch.zeros(H)))
+    narrow = torch.randn(2, H, 4, generator=gen)
+    assert not cpu_decode.supports(narrow, k_cache[..., :4], v_cache[..., :4], plain)
+
+
+def test_compiled_greedy_with_the_kernel_is_token_identical(monkeypatch):
+    # head dim 16 (hidden 64 over 4 heads): every layer of the compiled step runs the kernel
+    model = tiny_model("llama", hidden_size=64)
+    assert cpu_decode.build()
+    prompts = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]
+    eos = frequent_token(model, prompts)
+    refs = [reference_greedy(model, p, 12, [eos]) for p in prompts]
+    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=1, kv_cache_tokens=512, block_size=B,
+                       compile=True)
+    calls = []
+    original = cpu_decode.paged_decode_attention
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(torch_backend, "cpu_decode_attention", counted)  # called while the step is traced
+    res = RolloutEngine(model, cfg).generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                                        eos_token_ids=[eos]))
+    assert calls, "the compiled step did not trace the kernel"
+    assert res.completion_ids == [r for r in refs for _ in range(2)]
