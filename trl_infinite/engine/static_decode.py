@@ -93,8 +93,8 @@ class StaticDecoder:
             # on CPU, inductor's C++ wrapper calls the kernels without a Python frame per kernel (about a fifth of a
             # small model's compiled step); on CUDA the graphs replay without any wrapper anyway
             options = {"cpp_wrapper": True} if compile_backend == "inductor" and self.device.type == "cpu" else None
-            if self.cascade_slots:  # the compiled CPU step's decode attention (`attention/cpu_decode.py`)
-                cpu_decode.build()
+            if self.cascade_slots and runner.pool.dtype == torch.float32:  # its float32 decode attention
+                cpu_decode.build()  # (`attention/cpu_decode.py`; built once per machine)
             self._compiled = torch.compile(self._step, fullgraph=True, backend=compile_backend, options=options)
             # one graph per (bucket, sampling settings): more than dynamo's default of 8 entries per function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
