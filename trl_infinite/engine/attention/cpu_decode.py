@@ -116,8 +116,7 @@ void decode(const Shape& s, const float* q, const float* k, const float* v, cons
       // softmax weights in place (the padding columns past ctx are never read)
       for (int64_t j = 0; j < g; ++j) {
         float* sj = scores.data() + j * padded;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < ctx; ++c) m = std::max(m, sj[c]);
+        const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sj, ctx);
         at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sj, sj, ctx);
         const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sj, ctx);
         at::vec::map([inv](Vec x) { return x * Vec(inv); }, sj, sj, ctx);
