@@ -1,11 +1,12 @@
-"""The C++ CPU decode-attention kernel of the compiled CPU step (`engine/attention/cpu_decode.py`).
+"""The C++ CPU decode-attention kernel of the CPU decode step (`engine/attention/cpu_decode.py`).
 
 - It builds here (a C++ compiler is needed for inductor's CPU code anyway) and equals the torch reference's
   whole-context attention on rows with partial prompt and own blocks, shared prompts, a padding row, GQA, sliding
   windows, chunks and both together, at head dims of one and two vector widths and with Dv != Dk.
 - `supports` says no to what it does not cover (bf16, soft-capping, sinks, head dims off the vector width), which
   then keeps the torch path.
-- Compiled (inductor's C++ wrapper), the step calls it and greedy output stays token-identical to `model.generate`.
+- Eager and compiled (inductor's C++ wrapper), the decode step calls it and greedy output stays token-identical to
+  `model.generate`; `EngineConfig(cpu_decode_kernel=False)` keeps the torch path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from _models import frequent_token, reference_greedy, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, torch_backend, with_context
+from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
@@ -68,15 +69,7 @@ def test_supports_only_what_it_computes():
     assert not cpu_decode.supports(narrow, k_cache[..., :4], v_cache[..., :4], plain)
 
 
-def test_compiled_greedy_with_the_kernel_is_token_identical(monkeypatch):
-    # head dim 16 (hidden 64 over 4 heads): every layer of the compiled step runs the kernel
-    model = tiny_model("llama", hidden_size=64)
-    assert cpu_decode.build()
-    prompts = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]
-    eos = frequent_token(model, prompts)
-    refs = [reference_greedy(model, p, 12, [eos]) for p in prompts]
-    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=1, kv_cache_tokens=512, block_size=B,
-                       compile=True)
+def _count_kernel_calls(monkeypatch) -> list[int]:
     calls = []
     original = cpu_decode.paged_decode_attention
 
@@ -84,8 +77,26 @@ def test_compiled_greedy_with_the_kernel_is_token_identical(monkeypatch):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(torch_backend, "cpu_decode_attention", counted)  # called while the step is traced
-    res = RolloutEngine(model, cfg).generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=0.0,
-                                                                        eos_token_ids=[eos]))
-    assert calls, "the compiled step did not trace the kernel"
+    monkeypatch.setattr(cpu_decode, "paged_decode_attention", counted)  # (compiled: called while the step is traced)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "off"])
+def test_greedy_with_the_kernel_is_token_identical(monkeypatch, mode):
+    # head dim 16 (hidden 64 over 4 heads): every layer's decode attention runs the kernel
+    model = tiny_model("llama", hidden_size=64)
+    assert cpu_decode.build()
+    prompts = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]
+    eos = frequent_token(model, prompts)
+    refs = [reference_greedy(model, p, 12, [eos]) for p in prompts]
+    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=1, kv_cache_tokens=512, block_size=B,
+                       compile=mode == "compiled", cpu_decode_kernel=mode != "off")
+    calls = _count_kernel_calls(monkeypatch)
+    engine = RolloutEngine(model, cfg)
+    calls.clear()  # (the support probe's decode forwards run the same path)
+    res = engine.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_ids=[eos]))
     assert res.completion_ids == [r for r in refs for _ in range(2)]
+    if mode == "off":
+        assert not calls, "cpu_decode_kernel=False still called the kernel"
+    else:
+        assert calls, "the decode step did not call the kernel"

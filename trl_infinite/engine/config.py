@@ -62,6 +62,15 @@ class EngineConfig:
         metadata={"help": "torch.compile the static decode step (fullgraph, one graph per batch bucket); works on "
                   "CPU too. Combined with `cuda_graphs`, the compiled step is what gets captured."},
     )
+    cpu_decode_kernel: bool = field(
+        default=True,
+        metadata={"help": "On CPU with a float32 model, decode steps (eager and compiled) run their attention in one "
+                  "C++ kernel call per layer that reads the KV pool through the block tables "
+                  "(`engine/attention/cpu_decode.py`). It is built with the system's C++ compiler and ninja when the "
+                  "first such engine starts (about half a minute once per machine, then cached in "
+                  "TORCH_EXTENSIONS_DIR); if it cannot be built, a warning and the torch path. False: always the "
+                  "torch path. Ignored off CPU."},
+    )
     compile_backend: str = field(
         default="inductor",
         metadata={"help": "torch.compile backend of `compile=True` (a name from `torch._dynamo.list_backends()`, "

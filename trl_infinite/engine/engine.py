@@ -41,14 +41,15 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         param = next(model.parameters())
         self.device = param.device
-        self.support = check_support(model, self.config.attention_backend)
+        self.support = check_support(model, self.config.attention_backend, self.config.cpu_decode_kernel)
         self.vocab_size = model_vocab_size(model)
         reserve = 0
         if self.device.type == "cuda" and self.config.cuda_graphs:
             reserve = static_step_bytes(model.config, self.config.max_active_sequences or 256)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=param.dtype, device=self.device,
                                 reserve_bytes=reserve)
-        self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers)
+        self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers,
+                                  cpu_decode_kernel=self.config.cpu_decode_kernel)
         self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
                                      compile_backend=self.config.compile_backend)
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)

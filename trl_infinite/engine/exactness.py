@@ -33,7 +33,8 @@ def exactness_tolerance(dtype: torch.dtype) -> float:
 
 @torch.no_grad()
 def exactness_problem(
-    model: torch.nn.Module, support: ModelSupport, attention_backend: str, ids: torch.Tensor
+    model: torch.nn.Module, support: ModelSupport, attention_backend: str, ids: torch.Tensor,
+    cpu_decode_kernel: bool = False,
 ) -> str | None:
     """Prefill `ids[:-DECODE_TOKENS]` ([1, N]), decode the rest one token per forward through a small pool; the
     logits must match the model's own forward of `ids` (positions P-1 .. N-1). Returns what went wrong, or None.
@@ -43,7 +44,7 @@ def exactness_problem(
     n, p, block = len(tokens), len(tokens) - DECODE_TOKENS, 4
     pool = KVCachePool(support.kv, EngineConfig(kv_cache_tokens=2 * n + 8 * block, block_size=block),
                        dtype=param.dtype, device=param.device)
-    runner = ModelRunner(model, pool, attention_backend, support.layers)
+    runner = ModelRunner(model, pool, attention_backend, support.layers, cpu_decode_kernel)
     prompt_blocks = pool.allocator.allocate(-(-p // block))
     own_blocks = pool.allocator.allocate(-(-DECODE_TOKENS // block))
     try:

@@ -11,8 +11,10 @@ from .attention import (
     Segment,
     attention_configs,
     build_metadata,
+    cpu_decode,
     paged_attention,
     resolve_backend,
+    torch_paged_attention,
 )
 from .kv_pool import KVCachePool
 
@@ -20,12 +22,19 @@ from .kv_pool import KVCachePool
 class ModelRunner:
     """One forward = one packed batch; returns the logits of the requested query tokens only."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec]):
-        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`)."""
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec],
+                 cpu_decode_kernel: bool = False):
+        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`). `cpu_decode_kernel`:
+        on CPU with a float32 pool and the torch backend, decode forwards go through `attention/cpu_decode`'s C++
+        kernel where it covers the layer (built here on first use; if it cannot be built, the torch path)."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.backend = resolve_backend(attention_backend, self.device)
+        self.attend = self.backend.attend
+        if (cpu_decode_kernel and self.device.type == "cpu" and pool.dtype == torch.float32
+                and self.backend.attend is torch_paged_attention and cpu_decode.build()):
+            self.attend = cpu_decode.with_kernel(self.backend.attend)
         self.layers = layers
         # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
@@ -46,7 +55,7 @@ class ModelRunner:
         """Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
         Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
         meta = self.backend.prepare(meta, self.mask_keys)
-        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.backend.attend, self.layers)
+        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.attend, self.layers)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,

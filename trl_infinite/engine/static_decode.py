@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import cpu_decode, decode_metadata
+from .attention import decode_metadata
 from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
 from .outputs import RolloutStats
@@ -93,8 +93,6 @@ class StaticDecoder:
             # on CPU, inductor's C++ wrapper calls the kernels without a Python frame per kernel (about a fifth of a
             # small model's compiled step); on CUDA the graphs replay without any wrapper anyway
             options = {"cpp_wrapper": True} if compile_backend == "inductor" and self.device.type == "cpu" else None
-            if self.cascade_slots and runner.pool.dtype == torch.float32:  # its float32 decode attention
-                cpu_decode.build()  # (`attention/cpu_decode.py`; built once per machine)
             self._compiled = torch.compile(self._step, fullgraph=True, backend=compile_backend, options=options)
             # one graph per (bucket, sampling settings): more than dynamo's default of 8 entries per function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)

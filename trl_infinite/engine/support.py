@@ -82,14 +82,16 @@ def text_config(model: torch.nn.Module):
         return model.config
 
 
-def check_support(model: torch.nn.Module, attention_backend: str = "torch") -> ModelSupport:
-    """Run the three checks of the module docstring; return the layout or raise `ValueError`."""
+def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_decode_kernel: bool = False
+                  ) -> ModelSupport:
+    """Run the three checks of the module docstring; return the layout or raise `ValueError`. The exactness check
+    runs the attention path the engine will run (`cpu_decode_kernel`: see `ModelRunner`)."""
     with eval_mode(model):
         check_structure(model)
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
         support = verdict(model, record_attention_calls(model, ids))
-        problem = exactness_problem(model, support, attention_backend, ids)
+        problem = exactness_problem(model, support, attention_backend, ids, cpu_decode_kernel)
         if problem is not None:
             raise refusal(model, problem)
     return support

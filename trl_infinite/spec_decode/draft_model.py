@@ -50,9 +50,11 @@ class DraftModelDrafter(Drafter):
         pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=config.block_size,
                                 attention_backend=config.attention_backend)
         dtype = next(draft_model.parameters()).dtype
-        support = check_support(draft_model, config.attention_backend)  # the draft model runs on the pool too
+        # the draft model runs on a pool too, on the target's attention path
+        support = check_support(draft_model, config.attention_backend, config.cpu_decode_kernel)
         self.pool = KVCachePool(support.kv, pool_cfg, dtype=dtype, device=device)
-        self.runner = ModelRunner(draft_model, self.pool, config.attention_backend, support.layers)
+        self.runner = ModelRunner(draft_model, self.pool, config.attention_backend, support.layers,
+                                  cpu_decode_kernel=config.cpu_decode_kernel)
         self.sampler = Sampler(sampling)
         self.seed = sampling.seed
         self.device = device

@@ -1,34 +1,38 @@
-"""C++ decode attention for the compiled CPU step: one library call per layer that reads the pool through the tables.
+"""C++ decode attention for CPU: one library call per layer that reads the pool through the tables.
 
-On CPU the compiled decode step (`EngineConfig.compile`) is host-bound at small widths, and the torch backend's
-decode attention there costs two CPU flash-attention calls per layer plus the gathers, masks and log-sum-exp merge
-around them (`torch_backend._cascade_decode`); each flash call pays a fixed cost per (row, head). This kernel does
-the whole decode attention of a layer in one call: for row `n` at position `pos` (its input token, already written
-to the pool) the visible keys are positions `lo .. pos`, `lo = layer.first_visible(pos)` (sliding window, chunk);
-position `p` lives in prefix block `prefix_table[n, p / B]` when `p < prompt_lens[n]`, else in own block
-`suffix_table[n, (p - prompt_lens[n]) / B]`. Per (row, KV head), with the `g = H / Hkv` query heads of that KV head:
+On CPU a decode step is host-bound at small widths, and the torch backend's decode attention costs a gather of
+the context and one CPU attention call per layer, or, in the compiled step, two flash-attention calls plus the
+gathers, masks and log-sum-exp merge around them (`torch_backend._cascade_decode`); each flash call pays a fixed
+cost per (row, head). This kernel does the whole decode attention of a layer in one call: for row `n` at position
+`pos` (its input token, already written to the pool) the visible keys are positions `lo .. pos`,
+`lo = layer.first_visible(pos)` (sliding window, chunk); position `p` lives in prefix block
+`prefix_table[n, p / B]` when `p < prompt_lens[n]`, else in own block `suffix_table[n, (p - prompt_lens[n]) / B]`.
+Per (row, KV head), with the `g = H / Hkv` query heads of that KV head:
 
     s[j, p] = scale * <q[j], k[p]>;   m[j] = max_p s[j, p];   out[j] = sum_p exp(s[j, p] - m[j]) v[p] / sum_p exp(...)
 
 in float32. Keys are taken `T` at a time (T = the vector width) and transposed so that the products over the head
 dimension run as vector FMAs across keys; values are accumulated in vector registers.
 
-It is built with `torch.utils.cpp_extension.load_inline` when an engine compiles its decode step on CPU (a C++
-compiler is needed there anyway; the build is cached on disk, `TORCH_EXTENSIONS_DIR`), registered as
-`torch.ops.trl_infinite.paged_decode_attention`, and called by inductor's C++ wrapper through the dispatcher. It
-covers float32 layers without soft-capping or sinks whose head dimensions are multiples of the vector width; other
-layers, and every eager forward, keep the torch reference path. A failed build is logged once and changes nothing
-but speed.
+It is built with `torch.utils.cpp_extension.load_inline` when an engine with a float32 pool starts on CPU
+(`EngineConfig.cpu_decode_kernel`, on by default; the build takes about half a minute once per machine and is
+cached on disk, `TORCH_EXTENSIONS_DIR`), and registered as `torch.ops.trl_infinite.paged_decode_attention`: eager
+forwards call it through the dispatcher, the compiled step through inductor's C++ wrapper. `with_kernel` puts it in
+front of the torch backend; it covers decode calls of float32 layers without soft-capping or sinks whose head
+dimensions are multiples of the vector width, and every other call keeps the torch reference path. A failed build
+is logged once and changes nothing but speed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
 from .layer import LayerAttention
+from .metadata import PagedAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -248,3 +252,17 @@ def paged_decode_attention(
     return torch.ops.trl_infinite.paged_decode_attention(
         query, k_cache, v_cache, prefix_table, suffix_table, prompt_lens, positions, block_size, float(layer.scale),
         layer.sliding_window or 0, layer.chunk_size or 0)
+
+
+def with_kernel(attend: Callable) -> Callable:
+    """A backend's per-layer `attend` with this kernel in front: the decode calls it `supports` go to the kernel,
+    every other call (prefill, verification, soft-capped or sink layers, bf16) to `attend`."""
+
+    def attend_with_kernel(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: PagedAttentionMetadata, layer: LayerAttention) -> torch.Tensor:
+        if meta.is_decode and supports(query, k_cache, v_cache, layer):
+            return paged_decode_attention(query, k_cache, v_cache, meta.prefix_table, meta.suffix_table,
+                                          meta.prompt_lens, meta.q_pos, meta.block_size, layer)
+        return attend(query, k_cache, v_cache, meta, layer)
+
+    return attend_with_kernel

@@ -15,9 +15,9 @@ and attended by all its rows in one call, the rows' own tokens in a second call,
 host-bound 28-layer benchmark this takes about a fifth off the compiled decode step (`benchmarks/RESULTS.md`).
 Layers with soft-cap or sinks, and MLA layers, keep the whole-context path.
 
-Compiled on CPU (`EngineConfig.compile`), a decode forward's float32 layers call the C++ kernel of `cpu_decode`
-instead (one call per layer that reads the pool through the tables); this module stays the reference it is tested
-against.
+On CPU the engine puts the C++ kernel of `cpu_decode` in front of this backend for float32 decode forwards
+(`EngineConfig.cpu_decode_kernel`: one call per layer that reads the pool through the tables); this module stays the
+reference it is tested against.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_decode import paged_decode_attention as cpu_decode_attention
-from .cpu_decode import supports as cpu_decode_supports
 from .layer import LayerAttention
 from .metadata import PagedAttentionMetadata, with_context
 
@@ -39,9 +37,6 @@ def torch_paged_attention(
     layer: LayerAttention,
 ) -> torch.Tensor:  # [T, H, Dv]
     """Attention of every query token over its segment's context in the pool (new tokens already written)."""
-    if meta.is_decode and torch.compiler.is_compiling() and cpu_decode_supports(query, k_cache, v_cache, layer):
-        return cpu_decode_attention(query, k_cache, v_cache, meta.prefix_table, meta.suffix_table, meta.prompt_lens,
-                                    meta.q_pos, meta.block_size, layer)
     plan = meta.context
     num_seg = meta.prompt_lens.shape[0]
     if plan.cascade is not None and not layer.needs_scores and k_cache.shape[2] == v_cache.shape[2]:
