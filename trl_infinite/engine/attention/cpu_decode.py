@@ -1,9 +1,8 @@
 """C++ decode attention for CPU: one library call per layer that reads the pool through the tables.
 
-On CPU a decode step is host-bound at small widths, and the torch backend's decode attention costs a gather of
-the context and one CPU attention call per layer, or, in the compiled step, two flash-attention calls plus the
-gathers, masks and log-sum-exp merge around them (`torch_backend._cascade_decode`); each flash call pays a fixed
-cost per (row, head). This kernel does the whole decode attention of a layer in one call: for row `n` at position
+On CPU a decode step is host-bound at small widths, and the torch backend's decode attention costs, per layer,
+two CPU flash-attention calls (each group's prompt, then the rows' own tokens) plus the gathers, masks and
+log-sum-exp merge around them (`torch_backend._cascade_decode`); each flash call pays a fixed cost per (row, head). This kernel does the whole decode attention of a layer in one call: for row `n` at position
 `pos` (its input token, already written to the pool) the visible keys are positions `lo .. pos`,
 `lo = layer.first_visible(pos)` (sliding window, chunk); position `p` lives in prefix block
 `prefix_table[n, p / B]` when `p < prompt_lens[n]`, else in own block `suffix_table[n, (p - prompt_lens[n]) / B]`.
@@ -216,8 +215,8 @@ def build() -> bool:
             load_inline(f"trl_infinite_cpu_decode_{isa.lower()}", cpp_sources=[SOURCE], is_python_module=False,
                         extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])])
         except Exception as err:  # compiler, headers or ninja missing, ...
-            logger.warning("The CPU decode-attention kernel could not be built (%s); the compiled CPU decode step "
-                           "uses the torch attention path instead.", err)
+            logger.warning("The CPU decode-attention kernel could not be built (%s); CPU decode steps use "
+                           "the torch attention path instead.", err)
             return False
 
         @torch.library.register_fake("trl_infinite::paged_decode_attention")
