@@ -3,6 +3,7 @@
 - It builds here (a C++ compiler is needed for inductor's CPU code anyway) and equals the torch reference's
   whole-context attention on rows with partial prompt and own blocks, shared prompts, a padding row, GQA, sliding
   windows, chunks and both together, at head dims of one and two vector widths and with Dv != Dk.
+- The same on longer prompts (several whole vector-width tiles) shared by several rows, cut by windows and chunks.
 - `supports` says no to what it does not cover (bf16, soft-capping, sinks, head dims off the vector width), which
   then keeps the torch path.
 - Eager and compiled (inductor's C++ wrapper), the decode step calls it and greedy output stays token-identical to
@@ -53,6 +54,32 @@ def test_kernel_equals_whole_context_attention(pattern, dims):
     assert got.shape == (len(rows), H, dims[1])
     assert (got[:-1] - ref[:-1]).abs().max().item() < 1e-5  # real rows (float32 throughout)
     assert torch.isfinite(got).all()  # the padding row too
+
+
+@pytest.mark.parametrize("pattern", [(None, None), (30, None), (None, 32)], ids=["causal", "window", "chunk"])
+def test_kernel_on_longer_prompts_shared_by_rows(pattern):
+    # prompts of 37 and 21 tokens (blocks of 4): contexts of several whole vector-width tiles, rows of prompt A, then
+    # B, then A again, rows whose prompt blocks differ only in some blocks, and windows / chunks that cut the prompt
+    assert cpu_decode.build()
+    gen = torch.Generator().manual_seed(11)
+    num_blocks = 96
+    k_cache, v_cache = (torch.randn(num_blocks * B, HKV, 16, generator=gen) for _ in range(2))
+    a, b = list(range(1, 11)), list(range(11, 17))
+    a_last = a[:-2] + [17, 18]  # prompt blocks that differ from a's in the last two
+    a_mid = a[:3] + [19] + a[4:]  # ... in block 3
+    rows = [(37, a, [20, 21], 42), (37, a, [22], 38), (21, b, [23, 24, 25], 30), (37, a, [26, 27], 44),
+            (37, a_last, [28], 40), (37, a_mid, [33], 38), (37, a, [29, 30, 31], 46), (21, b, [32], 21)]
+    width = max(len(r[1]) for r in rows)
+    pt = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows])
+    st = torch.tensor([r[2] + [0] * (3 - len(r[2])) for r in rows])
+    positions, prompt_lens = torch.tensor([r[3] for r in rows]), torch.tensor([r[0] for r in rows])
+    groups = torch.tensor([0, 0, 1, 0, 2, 3, 0, 1])
+    meta = decode_metadata(positions, prompt_lens, pt, st, groups, B)
+    query = torch.randn(len(rows), H, 16, generator=gen)
+    layer = LayerAttention(scale=0.25, sliding_window=pattern[0], chunk_size=pattern[1])
+    ref = torch_paged_attention(query, k_cache, v_cache, with_context(meta, (pattern,)), layer)
+    got = cpu_decode.paged_decode_attention(query, k_cache, v_cache, pt, st, prompt_lens, positions, B, layer)
+    assert (got - ref).abs().max().item() < 1e-5
 
 
 def test_supports_only_what_it_computes():
