@@ -4,6 +4,8 @@
   whole-context attention on rows with partial prompt and own blocks, shared prompts, a padding row, GQA, sliding
   windows, chunks and both together, at head dims of one and two vector widths and with Dv != Dk.
 - The same on longer prompts (several whole vector-width tiles) shared by several rows, cut by windows and chunks.
+- Where it serves every layer (float32, head dims of the vector width, no soft-cap or sinks in the support probe),
+  the static step carries no group slots (no cascade plan, no slot buckets); a soft-capped model keeps them.
 - `supports` says no to what it does not cover (bf16, soft-capping, sinks, head dims off the vector width), which
   then keeps the torch path.
 - Eager and compiled (inductor's C++ wrapper), the decode step calls it and greedy output stays token-identical to
@@ -21,6 +23,7 @@ from _models import frequent_token, reference_greedy, tiny_model
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
+from trl_infinite.utils.tiny_configs import build_tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
                                 "(without it the engine logs a warning and keeps the torch path)")
@@ -127,3 +130,32 @@ def test_greedy_with_the_kernel_is_token_identical(monkeypatch, mode):
         assert not calls, "cpu_decode_kernel=False still called the kernel"
     else:
         assert calls, "the decode step did not call the kernel"
+
+
+def test_the_step_carries_group_slots_only_where_a_layer_falls_back():
+    model = tiny_model("llama", hidden_size=64)
+    on = RolloutEngine(model, EngineConfig(kv_cache_tokens=512))
+    assert on.runner.decode_kernel_everywhere and not on.decoder.cascade_slots
+    off = RolloutEngine(model, EngineConfig(kv_cache_tokens=512, cpu_decode_kernel=False))
+    assert not off.runner.decode_kernel_everywhere and off.decoder.cascade_slots
+    # soft-capped layers (marked by the support probe) take the torch path, which keeps its group slots
+    gemma = build_tiny_model("gemma2", attn_logit_softcapping=50.0, head_dim=16, query_pre_attn_scalar=16)
+    capped = RolloutEngine(gemma, EngineConfig(kv_cache_tokens=512))
+    assert all(spec.needs_scores for spec in capped.support.layers.values())
+    assert not capped.runner.decode_kernel_everywhere and capped.decoder.cascade_slots
+    plain = RolloutEngine(build_tiny_model("gemma2", attn_logit_softcapping=None, head_dim=16,
+                                           query_pre_attn_scalar=16), EngineConfig(kv_cache_tokens=512))
+    assert not any(spec.needs_scores for spec in plain.support.layers.values())
+    assert plain.runner.decode_kernel_everywhere
+
+
+def test_greedy_with_several_prompts_and_no_group_slots():
+    # four prompts, two samples each, up to eight rows: the groups in a step change as samples finish and join
+    model = tiny_model("llama", hidden_size=64)
+    prompts = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70], [3] * 19, [8, 1, 44, 23, 9, 15, 61, 2, 7, 12, 30]]
+    eos = frequent_token(model, prompts)
+    refs = [reference_greedy(model, p, 14, [eos]) for p in prompts]
+    engine = RolloutEngine(model, EngineConfig(max_active_sequences=5, kv_cache_tokens=1024, block_size=B))
+    assert not engine.decoder.cascade_slots
+    res = engine.generate(prompts, 2, SamplingParams(max_new_tokens=14, temperature=0.0, eos_token_ids=[eos]))
+    assert res.completion_ids == [r for r in refs for _ in range(2)]

@@ -32,9 +32,13 @@ class ModelRunner:
         self.device = pool.device
         self.backend = resolve_backend(attention_backend, self.device)
         self.attend = self.backend.attend
+        # every layer's decode attention is the kernel's (none falls back to the torch path)
+        self.decode_kernel_everywhere = False
         if (cpu_decode_kernel and self.device.type == "cpu" and pool.dtype == torch.float32
                 and self.backend.attend is torch_paged_attention and cpu_decode.build()):
             self.attend = cpu_decode.with_kernel(self.backend.attend)
+            self.decode_kernel_everywhere = cpu_decode.covers(list(layers.values()), pool.layout.k_dims,
+                                                              pool.layout.v_dims, pool.dtype)
         self.layers = layers
         # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))

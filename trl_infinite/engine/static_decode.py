@@ -77,7 +77,11 @@ class StaticDecoder:
         # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
         # in use
         self.full_tables = not runner.backend.gathers_columns
-        self.cascade_slots = not self.full_tables and self.device.type == "cpu"  # see `metadata.with_context`
+        # the torch backend's cascade decode on CPU reads the group slots (see `metadata.with_context`); not needed
+        # where the C++ kernel serves every layer (`attention/cpu_decode.py`): then no slot bucket multiplies the
+        # compiled graphs, and the step passes no group tables at all
+        self.cascade_slots = (not self.full_tables and self.device.type == "cpu"
+                              and not runner.decode_kernel_everywhere)
         self.rows: DecodeRows | None = None
         self.sampler: Sampler | None = None
         self.want_hidden = False
@@ -150,9 +154,11 @@ class StaticDecoder:
         tables = rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols], rows.group_prefix[:slots, :pcols]
         if not self.use_graphs:  # one memory layout whatever the widths (a graph instead keeps the views' addresses)
             tables = tuple(t.clone(memory_format=torch.contiguous_format) for t in tables)
+        group_slot, group_prefix = rows.group_slot[:padded], tables[2]
+        if self.runner.decode_kernel_everywhere:  # (a layer that fell back would take the whole-context path)
+            group_slot = group_prefix = None
         args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
-                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, rows.group_slot[:padded],
-                tables[2])
+                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix)
         t1 = time.perf_counter()
         if self.use_graphs:
             tokens, logprobs, hidden = self._replay((padded, pcols, ocols, slots), args)
@@ -187,12 +193,14 @@ class StaticDecoder:
             if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
                 torch._dynamo.maybe_mark_dynamic(args[4], 1)
                 torch._dynamo.maybe_mark_dynamic(args[5], 1)
-                torch._dynamo.maybe_mark_dynamic(args[9], 1)
+                if args[9] is not None:
+                    torch._dynamo.maybe_mark_dynamic(args[9], 1)
             # Dynamo's guards over every parameter and attribute the step reads cost about as much as a small
             # model's forward. They are evaluated in full the first time a (bucket, sampling settings) pair runs
             # (compiling it if needed); afterwards only the guards that tell the compiled graphs apart run. The
             # engine itself re-arms full checking when parameter storage changes (see `begin`).
-            key = (args[0].shape[1], args[9].shape[0], self.sampler.params_key, self.want_hidden, args[6] is None)
+            key = (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], self.sampler.params_key,
+                   self.want_hidden, args[6] is None)
             if key in self._guarded:
                 try:
                     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -143,7 +143,9 @@ def verdict(model: torch.nn.Module, record: ProbeRecord) -> ModelSupport:
     _check_kwargs(model, calls)
     _check_coverage(model, calls)
     ordered = sorted(calls, key=lambda c: c.layer_idx)
-    specs = {c.layer_idx: _layer_spec(model, c, i, record.num_tokens) for i, c in enumerate(ordered)}
+    specs = {c.layer_idx: replace(_layer_spec(model, c, i, record.num_tokens),
+                                  needs_scores=any(k in c.kwargs for k in ("softcap", "s_aux")))
+             for i, c in enumerate(ordered)}
     kv = KVLayout(tuple(c.key_shape[1] for c in ordered), tuple(c.key_shape[3] for c in ordered),
                   tuple(c.value_shape[3] for c in ordered))
     return ModelSupport(kv=kv, layers=specs)

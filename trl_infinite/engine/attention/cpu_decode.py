@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from .layer import LayerAttention
+from .layer import LayerAttention, LayerSpec
 from .metadata import PagedAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -234,6 +234,14 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return (_vector_floats > 0 and query.device.type == "cpu" and not layer.needs_scores
             and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and query.shape[-1] % _vector_floats == 0 and v_cache.shape[-1] % _vector_floats == 0)
+
+
+def covers(layers: list[LayerSpec], k_dims: tuple[int, ...], v_dims: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether the kernel (built) serves the decode attention of every layer of a model: float32, head dims that are
+    multiples of the vector width, no layer with soft-capping or sinks (`LayerSpec.needs_scores`, from the support
+    probe). The static decode step then needs no torch cascade plan (`StaticDecoder`)."""
+    return (_vector_floats > 0 and dtype == torch.float32 and not any(spec.needs_scores for spec in layers)
+            and all(d % _vector_floats == 0 for d in (*k_dims, *v_dims)))
 
 
 def paged_decode_attention(

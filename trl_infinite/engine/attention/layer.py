@@ -25,6 +25,7 @@ class LayerSpec:
     pool_index: int  # index into the pool's per-layer K/V lists
     sliding_window: int | None = None  # keys with k > q - window are visible (transformers' rule)
     chunk_size: int | None = None  # keys in the query's chunk only: k // chunk == q // chunk (Llama 4)
+    needs_scores: bool = False  # the module passes a soft-cap or attention sinks (`LayerAttention.needs_scores`)
 
 
 @dataclass(frozen=True, eq=False)
