@@ -6,6 +6,8 @@
 - The same on longer prompts (several whole vector-width tiles) shared by several rows, cut by windows and chunks.
 - Where it serves every layer (float32, head dims of the vector width, no soft-cap or sinks in the support probe),
   the static step carries no group slots (no cascade plan, no slot buckets); a soft-capped model keeps them.
+- The model matrix's check (greedy vs `generate`, both sampling modes, block sizes 16 and 5) at head dim 16 passes
+  through the kernel on models with sliding windows, chunked attention, MQA and mixture-of-experts layers.
 - `supports` says no to what it does not cover (bf16, soft-capping, sinks, head dims off the vector width), which
   then keeps the torch path.
 - Eager and compiled (inductor's C++ wrapper), the decode step calls it and greedy output stays token-identical to
@@ -23,7 +25,8 @@ from _models import frequent_token, reference_greedy, tiny_model
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
-from trl_infinite.utils.tiny_configs import build_tiny_model
+from trl_infinite.utils.model_matrix import check_model
+from trl_infinite.utils.tiny_configs import SIZES, build_tiny_model, sizes
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
                                 "(without it the engine logs a warning and keeps the torch path)")
@@ -159,3 +162,13 @@ def test_greedy_with_several_prompts_and_no_group_slots():
     assert not engine.decoder.cascade_slots
     res = engine.generate(prompts, 2, SamplingParams(max_new_tokens=14, temperature=0.0, eos_token_ids=[eos]))
     assert res.completion_ids == [r for r in refs for _ in range(2)]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral", "llama4_text", "gpt_bigcode", "qwen2_moe"])
+def test_model_matrix_at_head_dim_16_runs_the_kernel(monkeypatch, model_type):
+    # tiny configs: sliding window 6 where the type has one, attention chunk 5 (llama4), MQA (gpt_bigcode)
+    assert sizes(8) == SIZES  # the default matrix is unchanged
+    calls = _count_kernel_calls(monkeypatch)
+    row = check_model(model_type, head_dim=16)
+    assert row.verdict == "token-identical", row.detail
+    assert calls, "the matrix check did not run the kernel"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiny_configs import VOCAB, build_tiny_model
+from .tiny_configs import VOCAB, build_tiny_model, sizes
 
 PROMPT_LENS = (3, 8, 9, 17)
 MAX_NEW = 12
@@ -81,12 +81,12 @@ def early_eos(model, ps: list[list[int]]) -> int | None:
     return max(seen, key=seen.get) if seen else None
 
 
-def check_model(model_type: str) -> Row:
-    """The verdict of one model type (see module docstring)."""
+def check_model(model_type: str, head_dim: int = 8) -> Row:
+    """The verdict of one model type (see module docstring), built with `tiny_configs.sizes(head_dim)`."""
     from ..engine import EngineConfig, RolloutEngine, SamplingParams
 
     try:
-        model = build_tiny_model(model_type)
+        model = build_tiny_model(model_type, size=sizes(head_dim))
     except Exception as exc:  # noqa: BLE001
         return Row(model_type, "not built", f"{type(exc).__name__}: {_short(exc)}")
     ps = prompts()
@@ -192,17 +192,17 @@ def _reason(message: str) -> str:
     return text
 
 
-def markdown(rows: list[Row]) -> str:
+def markdown(rows: list[Row], head_dim: int = 8) -> str:
     import transformers
 
     counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
     lines = [
         INTRO.rstrip("\n"),
         "",
-        f"`python -m trl_infinite.utils.model_matrix --out docs/models.md` (transformers {transformers.__version__}, "
-        f"torch {torch.__version__}, CPU, float32) builds every causal-LM model type of transformers as a tiny "
-        "random-weight model (`trl_infinite/utils/tiny_configs.py`: 2 layers, hidden 32, sliding window 6, attention "
-        "chunk 5) and runs greedy decoding in `fixed_slot` and `full_group` mode with block sizes 16 and 5 (G = 3, "
+        f"`python -m trl_infinite.utils.model_matrix{'' if head_dim == 8 else f' --head-dim {head_dim}'} --out "
+        f"docs/models.md` (transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32) builds "
+        "every causal-LM model type of transformers as a tiny random-weight model (`trl_infinite/utils/tiny_configs.py`: "
+        f"2 layers, hidden {4 * head_dim}, head dim {head_dim}, sliding window 6, attention chunk 5) and runs greedy decoding in `fixed_slot` and `full_group` mode with block sizes 16 and 5 (G = 3, "
         "prompts of 3, 8, 9 and 17 tokens, 12 new tokens, an EOS that ends some samples early) against "
         "`model.generate`.",
         "",
@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every causal-LM type of transformers)")
     parser.add_argument("--out", help="write the markdown table here (else print it)")
+    parser.add_argument("--head-dim", type=int, default=8,
+                        help="attention head width of the tiny models (hidden = 4 x; 16 runs the CPU decode kernel in "
+                             "the engine's decode steps, 8 the torch path)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warnings.filterwarnings("ignore")
@@ -238,11 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for model_type in args.types or causal_lm_types():
         start = time.perf_counter()
-        row = check_model(model_type)
+        row = check_model(model_type, args.head_dim)
         row.seconds = time.perf_counter() - start
         rows.append(row)
         print(f"{model_type:28s} {row.verdict:16s} {row.seconds:6.1f}s  {row.detail[:150]}", flush=True)
-    table = markdown(rows)
+    table = markdown(rows, args.head_dim)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)

@@ -80,24 +80,37 @@ OVERRIDES: dict[str, dict] = {
 }
 
 
-def _kwargs_for(config_cls, model_type: str) -> dict:
+def sizes(head_dim: int = 8) -> dict[str, object]:
+    """`SIZES` with attention heads `head_dim` wide: 4 query heads, hidden size 4 x, feed-forward 8 x, rotary 1/2 x
+    the head dim (`sizes(8) == SIZES`). A head dim of 16 or more (a multiple of the vector width) makes the engine's
+    CPU decode steps run the C++ kernel (`engine/attention/cpu_decode.py`); 8 keeps the torch path. Multi-head
+    latent attention keeps its own widths."""
+    hidden, ffn = 4 * head_dim, 8 * head_dim
+    return {**SIZES, "hidden_size": hidden, "n_embd": hidden, "d_model": hidden, "word_embed_proj_dim": hidden,
+            "head_dim": head_dim, "rotary_dim": head_dim // 2, "intermediate_size": ffn, "n_inner": ffn,
+            "ffn_dim": ffn, "d_ff": ffn, "dff": ffn, "decoder_ffn_dim": ffn, "encoder_ffn_dim": ffn,
+            "ffn_hidden_size": ffn, "mamba_d_head": 2 * head_dim}
+
+
+def _kwargs_for(config_cls, model_type: str, size: dict | None = None) -> dict:
     accepted = set(inspect.signature(config_cls.__init__).parameters)
-    kwargs = {k: v for k, v in SIZES.items() if k in accepted}
+    kwargs = {k: v for k, v in (size or SIZES).items() if k in accepted}
     kwargs.update(OVERRIDES.get(model_type, {}))
     return kwargs
 
 
-def tiny_config(model_type: str, **overrides):
-    """A small config for `model_type`'s causal-LM class (the text config where that class takes one)."""
+def tiny_config(model_type: str, size: dict | None = None, **overrides):
+    """A small config for `model_type`'s causal-LM class (the text config where that class takes one); `size`: the
+    size fields (default `SIZES`, see `sizes`)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_cls = getattr(causal_lm_class(model_type), "config_class", None) or CONFIG_MAPPING[model_type]
-    kwargs = {**_kwargs_for(config_cls, model_type), **overrides}
+    kwargs = {**_kwargs_for(config_cls, model_type, size), **overrides}
     accepted = set(inspect.signature(config_cls.__init__).parameters)
     if "text_config" in accepted:
         sub_cls = getattr(config_cls, "sub_configs", {}).get("text_config")
         if sub_cls is not None and isinstance(sub_cls, type):
-            kwargs["text_config"] = _kwargs_for(sub_cls, getattr(sub_cls, "model_type", model_type))
+            kwargs["text_config"] = _kwargs_for(sub_cls, getattr(sub_cls, "model_type", model_type), size)
     return config_cls(**kwargs)
 
 
@@ -116,9 +129,10 @@ def count_params(model_cls, config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_tiny_model(model_type: str, seed: int = 0, max_params: int = 6_000_000, **overrides) -> torch.nn.Module:
+def build_tiny_model(model_type: str, seed: int = 0, max_params: int = 6_000_000, size: dict | None = None,
+                     **overrides) -> torch.nn.Module:
     """A float32 random-weight causal LM of `model_type` in eval mode; ValueError if it has more than `max_params`."""
-    config = tiny_config(model_type, **overrides)
+    config = tiny_config(model_type, size, **overrides)
     model_cls = causal_lm_class(model_type)
     n = count_params(model_cls, config)
     if n > max_params:
