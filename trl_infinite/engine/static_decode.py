@@ -77,9 +77,9 @@ class StaticDecoder:
         # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
         # in use
         self.full_tables = not runner.backend.gathers_columns
-        # the torch backend's cascade decode on CPU reads the group slots (see `metadata.with_context`); not needed
-        # where the C++ kernel serves every layer (`attention/cpu_decode.py`): then no slot bucket multiplies the
-        # compiled graphs, and the step passes no group tables at all
+        # only the torch backend's cascade decode on CPU reads the group slots (see `metadata.with_context`), and not
+        # where the C++ kernel serves every layer (`attention/cpu_decode.py`); elsewhere the step passes no group
+        # tables, so no slot bucket multiplies the compiled graphs
         self.cascade_slots = (not self.full_tables and self.device.type == "cpu"
                               and not runner.decode_kernel_everywhere)
         self.rows: DecodeRows | None = None
@@ -147,16 +147,19 @@ class StaticDecoder:
                 pcols, ocols = _pow2_at_least(rows.max_prompt_blocks, pcols), _pow2_at_least(rows.max_own_blocks, ocols)
             else:  # at least 2: a width of 1 would be specialised by the compiler (tables have >= 2 columns)
                 pcols, ocols = max(2, rows.max_prompt_blocks), max(2, rows.max_own_blocks)
-        # group slots in use, bucketed to powers of two (a static size: one compiled graph per bucket); only the
-        # torch backend on CPU reads them (its cascade decode), elsewhere one fixed slice keeps the graphs' keys
-        used = rows.group_slots_used if self.cascade_slots else 1
-        slots = 1 if used <= 1 else min(rows.group_prefix.shape[0], _pow2_at_least(used, 1 << 30))
-        tables = rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols], rows.group_prefix[:slots, :pcols]
+        tables = [rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols]]
+        # the group slots in use, bucketed to powers of two (a static size: one compiled graph per bucket), only where
+        # they are read (`cascade_slots`); elsewhere none are passed (a layer that still falls back to the torch path
+        # takes its whole-context attention)
+        group_slot, slots = None, 0
+        if self.cascade_slots:
+            used = rows.group_slots_used
+            slots = 1 if used <= 1 else min(rows.group_prefix.shape[0], _pow2_at_least(used, 1 << 30))
+            group_slot = rows.group_slot[:padded]
+            tables.append(rows.group_prefix[:slots, :pcols])
         if not self.use_graphs:  # one memory layout whatever the widths (a graph instead keeps the views' addresses)
-            tables = tuple(t.clone(memory_format=torch.contiguous_format) for t in tables)
-        group_slot, group_prefix = rows.group_slot[:padded], tables[2]
-        if self.runner.decode_kernel_everywhere:  # (a layer that fell back would take the whole-context path)
-            group_slot = group_prefix = None
+            tables = [t.clone(memory_format=torch.contiguous_format) for t in tables]
+        group_prefix = tables[2] if self.cascade_slots else None
         args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
                 *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix)
         t1 = time.perf_counter()
