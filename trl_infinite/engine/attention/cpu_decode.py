@@ -46,7 +46,6 @@ SOURCE = r"""
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -229,20 +228,23 @@ def build() -> bool:
     return True
 
 
+def _fits(dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+    """Built (`build`), float32, and head dims that are multiples of the build's vector width."""
+    return _vector_floats > 0 and dtype == torch.float32 and all(d % _vector_floats == 0 for d in dims)
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention) -> bool:
-    """Whether the kernel covers this decode call: built (`build`), CPU, float32 throughout, plain softmax, head dims
-    that are multiples of the vector width. Reads only module state, so it traces under `torch.compile`."""
-    return (_vector_floats > 0 and query.device.type == "cpu" and not layer.needs_scores
-            and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and query.shape[-1] % _vector_floats == 0 and v_cache.shape[-1] % _vector_floats == 0)
+    """Whether the kernel covers this decode call: CPU, plain softmax, and `_fits` for every tensor. Reads only module
+    state, so it traces under `torch.compile`."""
+    return (query.device.type == "cpu" and not layer.needs_scores and query.dtype == k_cache.dtype == v_cache.dtype
+            and _fits(query.dtype, (query.shape[-1], v_cache.shape[-1])))
 
 
 def covers(layers: list[LayerSpec], k_dims: tuple[int, ...], v_dims: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether the kernel (built) serves the decode attention of every layer of a model: float32, head dims that are
-    multiples of the vector width, no layer with soft-capping or sinks (`LayerSpec.needs_scores`, from the support
-    probe). The static decode step then needs no torch cascade plan (`StaticDecoder`)."""
-    return (_vector_floats > 0 and dtype == torch.float32 and not any(spec.needs_scores for spec in layers)
-            and all(d % _vector_floats == 0 for d in (*k_dims, *v_dims)))
+    """Whether the kernel serves the decode attention of every layer of a model: `_fits` for its pool, and no layer
+    with soft-capping or sinks (`LayerSpec.needs_scores`, from the support probe). The static decode step then needs
+    no torch cascade plan (`StaticDecoder`)."""
+    return not any(spec.needs_scores for spec in layers) and _fits(dtype, (*k_dims, *v_dims))
 
 
 def paged_decode_attention(
