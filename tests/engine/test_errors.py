@@ -57,6 +57,7 @@ def test_both_budgets_given():
         (dict(kv_cache_fraction=1.5), "kv_cache_fraction"),
         (dict(scheduler="no-such-policy"), "scheduler"),
         (dict(batch_policy="no-such-policy"), "batch_policy"),
+        (dict(cpu_decode_kernel="yes"), "cpu_decode_kernel.*True or False"),
     ],
 )
 def test_engine_config_errors_name_the_field(kwargs, field):

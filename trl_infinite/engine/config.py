@@ -211,7 +211,7 @@ class EngineConfig:
         integer("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
         integer("block_size", self.block_size)
         integer("max_prefill_tokens", self.max_prefill_tokens)
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "cpu_decode_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.compile:
