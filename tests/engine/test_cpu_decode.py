@@ -25,7 +25,7 @@ from _models import frequent_token, reference_greedy, tiny_model
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
-from trl_infinite.utils.model_matrix import check_model
+from trl_infinite.utils.model_matrix import check_model, main
 from trl_infinite.utils.tiny_configs import SIZES, build_tiny_model, sizes
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
@@ -172,3 +172,12 @@ def test_model_matrix_at_head_dim_16_runs_the_kernel(monkeypatch, model_type):
     row = check_model(model_type, head_dim=16)
     assert row.verdict == "token-identical", row.detail
     assert calls, "the matrix check did not run the kernel"
+
+
+@pytest.mark.parametrize("head_dim", [0, 7, 2.0])
+def test_model_matrix_refuses_a_bad_head_dim(head_dim):
+    with pytest.raises(ValueError, match="head_dim.*even integer"):
+        sizes(head_dim)
+    if isinstance(head_dim, int):
+        with pytest.raises(SystemExit):  # argparse: "--head-dim: `head_dim` must be an even integer >= 2 ..."
+            main(["--head-dim", str(head_dim), "--types", "llama"])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiny_configs import VOCAB, build_tiny_model, sizes
+from .tiny_configs import SIZES, VOCAB, build_tiny_model, sizes
 
 PROMPT_LENS = (3, 8, 9, 17)
 MAX_NEW = 12
@@ -81,7 +81,7 @@ def early_eos(model, ps: list[list[int]]) -> int | None:
     return max(seen, key=seen.get) if seen else None
 
 
-def check_model(model_type: str, head_dim: int = 8) -> Row:
+def check_model(model_type: str, head_dim: int = SIZES["head_dim"]) -> Row:
     """The verdict of one model type (see module docstring), built with `tiny_configs.sizes(head_dim)`."""
     from ..engine import EngineConfig, RolloutEngine, SamplingParams
 
@@ -192,17 +192,19 @@ def _reason(message: str) -> str:
     return text
 
 
-def markdown(rows: list[Row], head_dim: int = 8) -> str:
+def markdown(rows: list[Row], head_dim: int = SIZES["head_dim"]) -> str:
     import transformers
 
     counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
     lines = [
         INTRO.rstrip("\n"),
         "",
-        f"`python -m trl_infinite.utils.model_matrix{'' if head_dim == 8 else f' --head-dim {head_dim}'} --out "
-        f"docs/models.md` (transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32) builds "
-        "every causal-LM model type of transformers as a tiny random-weight model (`trl_infinite/utils/tiny_configs.py`: "
-        f"2 layers, hidden {4 * head_dim}, head dim {head_dim}, sliding window 6, attention chunk 5) and runs greedy decoding in `fixed_slot` and `full_group` mode with block sizes 16 and 5 (G = 3, "
+        f"`python -m trl_infinite.utils.model_matrix"
+        f"{'' if head_dim == SIZES['head_dim'] else f' --head-dim {head_dim}'} --out docs/models.md` (transformers "
+        f"{transformers.__version__}, torch {torch.__version__}, CPU, float32) builds every causal-LM model type of "
+        "transformers as a tiny random-weight model (`trl_infinite/utils/tiny_configs.py`: 2 layers, hidden "
+        f"{4 * head_dim}, head dim {head_dim}, sliding window 6, attention chunk 5) and runs greedy decoding in "
+        "`fixed_slot` and `full_group` mode with block sizes 16 and 5 (G = 3, "
         "prompts of 3, 8, 9 and 17 tokens, 12 new tokens, an EOS that ends some samples early) against "
         "`model.generate`.",
         "",
@@ -228,10 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every causal-LM type of transformers)")
     parser.add_argument("--out", help="write the markdown table here (else print it)")
-    parser.add_argument("--head-dim", type=int, default=8,
+    parser.add_argument("--head-dim", type=int, default=SIZES["head_dim"],
                         help="attention head width of the tiny models (hidden = 4 x; 16 runs the CPU decode kernel in "
                              "the engine's decode steps, 8 the torch path)")
     args = parser.parse_args(argv)
+    try:  # a bad width fails here, not once per model type
+        sizes(args.head_dim)
+    except ValueError as err:
+        parser.error(f"--head-dim: {err}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # tiny models: threads only add contention

@@ -80,11 +80,13 @@ OVERRIDES: dict[str, dict] = {
 }
 
 
-def sizes(head_dim: int = 8) -> dict[str, object]:
+def sizes(head_dim: int = SIZES["head_dim"]) -> dict[str, object]:
     """`SIZES` with attention heads `head_dim` wide: 4 query heads, hidden size 4 x, feed-forward 8 x, rotary 1/2 x
     the head dim (`sizes(8) == SIZES`). A head dim of 16 or more (a multiple of the vector width) makes the engine's
     CPU decode steps run the C++ kernel (`engine/attention/cpu_decode.py`); 8 keeps the torch path. Multi-head
     latent attention keeps its own widths."""
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"`head_dim` must be an even integer >= 2 (the rotary dim is half of it), got {head_dim!r}.")
     hidden, ffn = 4 * head_dim, 8 * head_dim
     return {**SIZES, "hidden_size": hidden, "n_embd": hidden, "d_model": hidden, "word_embed_proj_dim": hidden,
             "head_dim": head_dim, "rotary_dim": head_dim // 2, "intermediate_size": ffn, "n_inner": ffn,
