@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import decode_metadata
+from .compiled_step import CompiledStep
 from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
 from .outputs import RolloutStats
@@ -91,13 +92,12 @@ class StaticDecoder:
         self.graph_bytes = 0
         self._host: torch.Tensor | None = None  # pinned read-back buffer (CUDA)
         self._fingerprint: tuple = ()
-        self._compiled = None
-        self._guarded: set[tuple] = set()  # (bucket, widths kind, sampler key) already checked with full guards
+        self._compiled: CompiledStep | None = None
         if compile:
             # on CPU, inductor's C++ wrapper calls the kernels without a Python frame per kernel (about a fifth of a
             # small model's compiled step); on CUDA the graphs replay without any wrapper anyway
             options = {"cpp_wrapper": True} if compile_backend == "inductor" and self.device.type == "cpu" else None
-            self._compiled = torch.compile(self._step, fullgraph=True, backend=compile_backend, options=options)
+            self._compiled = CompiledStep(self._step, compile_backend, options)
             # one graph per (bucket, sampling settings): more than dynamo's default of 8 entries per function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
@@ -119,7 +119,8 @@ class StaticDecoder:
         if fingerprint != self._fingerprint:  # parameters gathered into new storage (ZeRO-3, FSDP): recapture
             self._fingerprint = fingerprint
             self.graphs.clear()
-            self._guarded.clear()
+            if self._compiled is not None:
+                self._compiled.reset()
 
     def end(self) -> None:
         """Release the rows of the finished call (their samples are done)."""
@@ -198,21 +199,11 @@ class StaticDecoder:
                 torch._dynamo.maybe_mark_dynamic(args[5], 1)
                 if args[9] is not None:
                     torch._dynamo.maybe_mark_dynamic(args[9], 1)
-            # Dynamo's guards over every parameter and attribute the step reads cost about as much as a small
-            # model's forward. They are evaluated in full the first time a (bucket, sampling settings) pair runs
-            # (compiling it if needed); afterwards only the guards that tell the compiled graphs apart run. The
-            # engine itself re-arms full checking when parameter storage changes (see `begin`).
+            # one compiled entry per (bucket, group slots, sampling settings, hidden states wanted, seen tokens kept),
+            # dispatched without Dynamo's guards after its first call (`CompiledStep`)
             key = (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], self.sampler.params_key,
                    self.want_hidden, args[6] is None)
-            if key in self._guarded:
-                try:
-                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        return self._compiled(*args)
-                except RuntimeError as err:  # something the key does not cover changed: check everything again
-                    if "Recompilation triggered" not in str(err):
-                        raise
-            self._guarded.add(key)
-            return self._compiled(*args)
+            return self._compiled(key, *args)
 
     def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed, group_slot,
               group_prefix):
@@ -252,7 +243,7 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved(self.device)
         with self.runner.routed(), torch.cuda.graph(graph, pool=self.graph_pool):
-            outputs = self._step(*args) if self._compiled is None else self._compiled(*args)
+            outputs = self._step(*args) if self._compiled is None else self._compiled.compiled(*args)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
         self.graph_bytes += torch.cuda.memory_reserved(self.device) - before

@@ -1,0 +1,69 @@
+"""Calling a `torch.compile`d decode step without paying for Dynamo's guards on every step.
+
+A compiled function's every call first runs Dynamo's cache lookup: guards over each parameter and attribute the
+step reads (hundreds of tensors for a model), then the prologue bytecode that gathers them, then the graph. For a
+small model's decode step that lookup costs a sizeable part of the step. The engine knows what can change between
+its steps: the batch bucket and the sampling settings (the dispatch `key`), and the parameters' storage (it calls
+`reset` when they move). So per key:
+
+1. the first call goes through `torch.compile` with every guard evaluated, compiling the step if needed;
+2. the bytecode Dynamo produced for that call (seen through Dynamo's bytecode hook, as vLLM's compile wrapper does)
+   is kept as a plain function and called directly from then on: the same compiled graph and the same prologue,
+   no guard evaluation;
+3. where that call compiled nothing (an entry compiled earlier matched), later calls run with only the guards that
+   tell the compiled entries apart (`skip_guard_eval_unsafe`); a call those guards reject is retried with all of
+   them.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class CompiledStep:
+    """`torch.compile(method, fullgraph=True)` with per-key dispatch (see the module docstring)."""
+
+    def __init__(self, method: Callable, backend: str, options: dict | None):
+        self.compiled = torch.compile(method, fullgraph=True, backend=backend, options=options)
+        self._owner = method.__self__
+        self._code = method.__func__.__code__
+        self._globals = method.__func__.__globals__  # where Dynamo installs the compiled graph the bytecode calls
+        self._direct: dict[tuple, Callable] = {}
+        self._checked: set[tuple] = set()
+
+    def reset(self) -> None:
+        """Something the keys do not cover changed (parameters gathered into new storage): check every guard again
+        at the next call of each key."""
+        self._direct.clear()
+        self._checked.clear()
+
+    def __call__(self, key: tuple, *args) -> Any:
+        direct = self._direct.get(key)
+        if direct is not None:
+            return direct(self._owner, *args)
+        if key in self._checked:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self.compiled(*args)
+            except RuntimeError as err:  # something the key does not cover changed: check everything again
+                if "Recompilation triggered" not in str(err):
+                    raise
+        self._checked.add(key)
+        produced: list[types.CodeType] = []
+
+        def keep(old: types.CodeType, new: types.CodeType) -> None:
+            if old is self._code:
+                produced.append(new)
+
+        hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
+        try:
+            out = self.compiled(*args)
+        finally:
+            hook.remove()
+        if produced:
+            self._direct[key] = types.FunctionType(produced[-1], self._globals, self._code.co_name)
+        return out
