@@ -95,8 +95,12 @@ class StaticDecoder:
         self._compiled: CompiledStep | None = None
         if compile:
             # on CPU, inductor's C++ wrapper calls the kernels without a Python frame per kernel (about a fifth of a
-            # small model's compiled step); on CUDA the graphs replay without any wrapper anyway
-            options = {"cpp_wrapper": True} if compile_backend == "inductor" and self.device.type == "cpu" else None
+            # small model's compiled step); on CUDA the graphs replay without any wrapper anyway. Without size
+            # asserts: the wrapper would re-check every input's sizes and strides (each parameter's) on every step,
+            # which the dispatch already rules out (shapes are in its key, tables are contiguous copies, the rows
+            # persistent, and moved parameters re-arm Dynamo's full guards, `CompiledStep.reset`)
+            options = ({"cpp_wrapper": True, "size_asserts": False}
+                       if compile_backend == "inductor" and self.device.type == "cpu" else None)
             self._compiled = CompiledStep(self._step, compile_backend, options)
             # one graph per (bucket, sampling settings): more than dynamo's default of 8 entries per function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
