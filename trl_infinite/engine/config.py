@@ -60,7 +60,9 @@ class EngineConfig:
     compile: bool = field(
         default=False,
         metadata={"help": "torch.compile the static decode step (fullgraph, one graph per batch bucket); works on "
-                  "CPU too. Combined with `cuda_graphs`, the compiled step is what gets captured."},
+                  "CPU too. Combined with `cuda_graphs`, the compiled step is what gets captured. Dynamo's guards "
+                  "are checked on a bucket's first call and skipped after it (checked again when parameter storage "
+                  "moves): after changing the model otherwise (switching adapters, config flags), start a new engine."},
     )
     cpu_decode_kernel: bool = field(
         default=True,
