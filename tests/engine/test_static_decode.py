@@ -2,7 +2,8 @@
 
 - `DecodeRows` keeps rows dense and its device tables equal to what the host-built metadata of the same samples
   says (slots of every token, context columns), across joins, finishes, block growth and replaced block lists.
-- Greedy output with `compile=True` (inductor) is token-identical to `model.generate` (Llama, Qwen3).
+- Greedy output with `compile=True` (inductor) is token-identical to `model.generate` (Llama, Qwen3), and still
+  after the parameters are updated between calls, in place or into new storage.
 - Compiled with the `eager` backend (same tracing, no code generation: fast), the step has no graph break, and
   exactly one graph per batch bucket: no recompilation while rows finish and join over 50+ steps in one bucket,
   nor in a second call with a new seed and other lengths.
@@ -162,6 +163,32 @@ def test_compiled_step_has_no_graph_break_and_one_graph_per_bucket():
                                                     repetition_penalty=1.1, seed=2), forced_lengths=other)
     assert counters["stats"]["unique_graphs"] <= len(bucket_sizes(4))  # new seed, prompt, lengths: no new graph
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("update", ["in_place", "new_storage"])
+def test_compiled_step_reads_updated_parameters(update):
+    """Between calls the parameters change as in training: in place (an optimizer step, the compiled bytecode keeps
+    being called without guards) or into new storage (ZeRO-3 / FSDP gathers, the full guard check is re-armed).
+    Greedy output follows `model.generate` of the updated model, and the update did change it."""
+    model = tiny_model("qwen3")
+    prompts = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]
+    cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=2, kv_cache_tokens=512, block_size=BLOCK,
+                       compile=True, compile_backend="eager")
+    engine = RolloutEngine(model, cfg)
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.0)
+    before = engine.generate(prompts, 1, sampling).completion_ids
+    assert before == [reference_greedy(model, p, 10, []) for p in prompts]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn_like(p) * 0.5
+            if update == "in_place":
+                p.add_(noise)
+            else:
+                p.data = p.data + noise
+    after = engine.generate(prompts, 1, sampling).completion_ids
+    assert after == [reference_greedy(model, p, 10, []) for p in prompts]
+    assert after != before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
