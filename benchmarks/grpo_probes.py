@@ -55,8 +55,9 @@ def reset_rss_high_water() -> bool:
         return False
 
 
-def process_peak_rss_bytes() -> int:
-    """Whole-process peak RSS (`getrusage`, never reset)."""
+def getrusage_peak_rss_bytes() -> int:
+    """`getrusage`'s peak RSS. Linux computes it from the same high-water mark that `reset_rss_high_water` resets,
+    so after a reset it no longer covers what came before: `StepProbe.process_peak_rss_bytes` keeps the maximum."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
@@ -151,11 +152,17 @@ class StepProbe(TrainerCallback):
         self.records: list[StepRecord] = []
         self._start = (0.0, 0.0)
         self._hwm_reset = False
+        self._lifetime_peak = 0  # high-water marks read before each reset
+
+    def process_peak_rss_bytes(self) -> int:
+        """The whole process's peak RSS so far (model loading included), across the per-step resets."""
+        return max(self._lifetime_peak, rss_high_water_bytes() or 0, getrusage_peak_rss_bytes())
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.clock.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        self._lifetime_peak = self.process_peak_rss_bytes()
         self._hwm_reset = reset_rss_high_water()
         self.clock.reset()
         self._start = self.clock.now()

@@ -176,11 +176,16 @@ def length_reward(completion_ids, **kwargs) -> list[float]:
     return [float(len(ids) % 5) for ids in completion_ids]
 
 
+def gsm8k_path(a) -> Path:
+    path = Path(a.data) if a.data else dataset_file("gsm8k", "train")
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K train prompts not found at {path}: pass --data or set $TRL_INFINITE_DATA")
+    return path
+
+
 def gsm8k_dataset(path: Path, rows: int):
     from datasets import Dataset
 
-    if not path.is_file():
-        raise FileNotFoundError(f"GSM8K train prompts not found at {path}: pass --data or set $TRL_INFINITE_DATA")
     items = [json.loads(line) for line in path.read_text().splitlines()[:rows]]
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": x["question"]}] for x in items],
                               "answer": [x["answer"] for x in items]})
@@ -235,7 +240,7 @@ def build_trainer(a, kind: str, size: Size, device: torch.device):
         from trl_infinite.utils.offline_models import smollm2_path
 
         model, tokenizer, reward = str(smollm2_path()), None, gsm8k_reward
-        dataset = gsm8k_dataset(Path(a.data) if a.data else dataset_file("gsm8k", "train"), a.num_prompts)
+        dataset = gsm8k_dataset(gsm8k_path(a), a.num_prompts)
         if a.weights_dtype != "float32":
             common["model_init_kwargs"] = {"dtype": a.weights_dtype}
     else:
@@ -262,7 +267,7 @@ def config_summary(args) -> dict:
 # ---------------------------------------------------------------------------------------------------------- worker
 def run_worker(a, kind: str, size: Size) -> dict:
     """Builds the trainer, runs `--steps` steps with the probes attached, returns the per-step measurements."""
-    from grpo_probes import ForcedLengths, Instrumented, process_peak_rss_bytes
+    from grpo_probes import ForcedLengths, Instrumented
 
     device = pick_device(a.device)
     threads = torch.get_num_threads()
@@ -294,7 +299,7 @@ def run_worker(a, kind: str, size: Size) -> dict:
                           "inclusive_wall": r.inclusive_wall, "peak_rss_bytes": r.peak_rss_bytes,
                           "peak_cuda_bytes": r.peak_cuda_bytes, "rss_end_bytes": r.rss_end_bytes, "mean_len": n})
         return {
-            "trainer": kind, "size": size.name, "steps": steps, "process_peak_rss_bytes": process_peak_rss_bytes(),
+            "trainer": kind, "size": size.name, "steps": steps, "process_peak_rss_bytes": instrumented.probe.process_peak_rss_bytes(),
             "uses_engine": getattr(trainer, "uses_engine", None),
             "engine_fallback_reasons": list(getattr(trainer, "engine_fallback_reasons", []) or []),
             "forced_hooks": sorted(forced.used) if forced is not None else None,
@@ -458,9 +463,10 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, _stop_worker)
     device = pick_device(a.device)
     clock = a.phase_clock if a.phase_clock != "auto" else ("wall" if device.type == "cuda" else "cpu")
-    if a.model == "smollm2":  # convert the GGUF once here, not in each worker
+    if a.model == "smollm2":  # fail before any worker starts; convert the GGUF once here, not in each worker
         from trl_infinite.utils.offline_models import smollm2_path
 
+        gsm8k_path(a)
         smollm2_path()
     header = header_for(a, device, clock)
     table = Table(COLUMNS)
