@@ -153,15 +153,27 @@ class StepProbe(TrainerCallback):
         self._start = (0.0, 0.0)
         self._hwm_reset = False
         self._lifetime_peak = 0  # high-water marks read before each reset
+        self._cuda_peak = 0  # CUDA peaks erased by resets during the step
 
     def process_peak_rss_bytes(self) -> int:
         """The whole process's peak RSS so far (model loading included), across the per-step resets."""
         return max(self._lifetime_peak, rss_high_water_bytes() or 0, getrusage_peak_rss_bytes())
 
+    def reset_cuda_peak(self, reset):
+        """`torch.cuda.reset_peak_memory_stats` that keeps the peak it erases (the engine resets it at each
+        rollout), so a step's peak covers the whole step."""
+        @functools.wraps(reset)
+        def wrapper(*args, **kwargs):
+            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated())
+            return reset(*args, **kwargs)
+
+        return wrapper
+
     def on_step_begin(self, args, state, control, **kwargs):
         if self.clock.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            self._cuda_peak = 0
         self._lifetime_peak = self.process_peak_rss_bytes()
         self._hwm_reset = reset_rss_high_water()
         self.clock.reset()
@@ -184,7 +196,7 @@ class StepProbe(TrainerCallback):
             phases_wall={p: self.clock.wall.get(p, 0.0) for p in PHASES},
             inclusive_cpu=dict(self.clock.inclusive_cpu), inclusive_wall=dict(self.clock.inclusive_wall),
             peak_rss_bytes=rss_high_water_bytes() if self._hwm_reset else None,
-            peak_cuda_bytes=torch.cuda.max_memory_allocated() if self.clock.cuda else None,
+            peak_cuda_bytes=max(self._cuda_peak, torch.cuda.max_memory_allocated()) if self.clock.cuda else None,
             rss_end_bytes=status_rss,
         ))
 
@@ -217,7 +229,7 @@ class ForcedLengths:
         self.eos_token_ids = list(eos_token_ids)
         self.done = 0  # rollout calls forced and checked
         self.targets: list[int] | None = None  # rows of the call under way
-        self._by_prompt: dict[tuple, deque] = {}
+        self._by_prompt: dict[tuple, deque[int]] = {}  # the rollout's lengths per prompt, in sample order
         self.used: set[str] = set()  # which hooks forced something (reported)
 
     def begin(self, prompt_ids: list[list[int]], num_generations: int) -> None:
@@ -233,7 +245,7 @@ class ForcedLengths:
             rows = prompt_ids[i * num_generations:(i + 1) * num_generations]
             if any(list(r) != list(rows[0]) for r in rows):
                 raise RuntimeError("rows of one group hold different prompts: not TRL's layout")
-            self._by_prompt[tuple(rows[0])].append(list(g))
+            self._by_prompt[tuple(rows[0])].extend(g)
 
     def end(self, completion_ids: list) -> None:
         got = [len(c) for c in completion_ids]
@@ -243,6 +255,14 @@ class ForcedLengths:
             raise RuntimeError(f"rollout call {self.done + 1}: {bad} of {len(want)} completions do not have their "
                                f"forced length (got {got}, want {want}); results discarded.")
         self.done += 1
+
+    def _take(self, prompt, n: int) -> list[int]:
+        """The next `n` lengths of this prompt's group (an engine call may take a group in parts)."""
+        left = self._by_prompt.get(tuple(prompt))
+        if left is None or len(left) < n:
+            raise RuntimeError(f"the engine was asked for {n} samples of a prompt with "
+                               f"{0 if left is None else len(left)} forced lengths left in this rollout")
+        return [left.popleft() for _ in range(n)]
 
     # ---- hooks
     def generate(self, original):
@@ -273,9 +293,10 @@ class ForcedLengths:
         @functools.wraps(original)
         def generate(engine, prompt_ids, num_generations=1, sampling=None, forced_lengths=None, **kwargs):
             if self.targets is not None and forced_lengths is None:
-                forced_lengths = [self._by_prompt[tuple(p)].popleft() for p in prompt_ids]
+                forced_lengths = [self._take(p, num_generations) for p in prompt_ids]
                 self.used.add("engine")
-            return original(engine, prompt_ids, num_generations, sampling, forced_lengths, **kwargs)
+            return original(engine, prompt_ids, num_generations=num_generations, sampling=sampling,
+                            forced_lengths=forced_lengths, **kwargs)
 
         return generate
 
@@ -328,6 +349,8 @@ class Instrumented:
             self._set(trainer, name, self.clock.timed_inclusive(getattr(trainer, name), name))
         self._set(trainer.accelerator, "backward", self.clock.timed(trainer.accelerator.backward, "backward"))
         trainer.add_callback(self.probe)
+        if self.cuda:
+            self._set(torch.cuda, "reset_peak_memory_stats", self.probe.reset_cuda_peak(torch.cuda.reset_peak_memory_stats))
         self._undo.append(lambda: trainer.remove_callback(self.probe))
         if forced is not None:
             model = trainer.accelerator.unwrap_model(trainer.model)
