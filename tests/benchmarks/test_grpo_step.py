@@ -75,6 +75,18 @@ def test_missed_forced_length_is_an_error(monkeypatch):
         worker("trl", "--lengths", "forced")
 
 
+def test_rss_high_water_resets():
+    probes = importlib.import_module("grpo_probes")
+    if not probes.reset_rss_high_water():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    block = bytearray(300_000_000)  # touched: zero-filled by the allocator or the kernel on first write
+    block[::4096] = b"x" * len(block[::4096])
+    high = probes.rss_high_water_bytes()
+    del block
+    assert probes.reset_rss_high_water()
+    assert probes.rss_high_water_bytes() < high - 200_000_000  # the mark now starts from the current RSS
+
+
 def test_killed_worker_is_a_failed_row(tmp_path):
     grpo_step = importlib.import_module("grpo_step")
     argv = [sys.executable, "-c", "import os, signal; print('loading'); os.kill(os.getpid(), signal.SIGKILL)"]
