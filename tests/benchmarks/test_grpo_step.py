@@ -113,7 +113,8 @@ def test_sizes_and_flags():
                 ["--rollout", "max_active_sequences"]):
         with pytest.raises(SystemExit):
             grpo_step.parse_args(bad)
-    assert grpo_step.parse_rollout_options(["max_active_sequences=8", "rollout_sampling_mode=fixed_slot"]) == {
+    setup = importlib.import_module("grpo_setup")
+    assert setup.parse_rollout_options(["max_active_sequences=8", "rollout_sampling_mode=fixed_slot"]) == {
         "rollout_max_active_sequences": 8, "rollout_sampling_mode": "fixed_slot"}
     # the worker command carries every setting of the run
     a = grpo_step.parse_args([*ARGS, "--lengths", "forced", "--trace", "t.jsonl", "--cb-memory-percent", "0.1"])
