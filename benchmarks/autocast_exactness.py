@@ -12,14 +12,21 @@ Two tables, CPU autocast (`torch.autocast("cpu", dtype)`, what accelerate enters
    differs from `model.generate` of that prompt alone (batch 1) under the same autocast, and the share where
    `generate` of the 4 prompts batched (left-padded) differs from `generate` batch 1: how often the rounding order
    of 16-bit matmuls and attention (padded context, other blocking) flips a near-tie argmax, for `generate` itself.
+3. Decode step cost (`--timing`; SmolLM2-135M's shape with random weights, one prompt of 128 tokens x 16 samples,
+   32 forced new tokens, one torch thread, process CPU time, best of 3, the C++ kernel off so every setting runs the
+   torch backend): ms per decode step for float32, float32 weights under bf16 autocast and bf16 weights, each with the
+   static step's cascade decode (each group's prompt attended once, the default) and with the whole context per row
+   (the step given no group slots), which rounds like the model's single attention call but gathers the prompt for
+   every row.
 
-    python benchmarks/autocast_exactness.py --model smollm2 --seeds 3
+    python benchmarks/autocast_exactness.py --model smollm2 --seeds 3 --timing
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from common import Table, pick_device, run_header, write_results
@@ -29,6 +36,7 @@ from trl_infinite.engine import exactness as E
 from trl_infinite.engine.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.support import verdict
 from trl_infinite.utils.model_matrix import MAX_NEW, G, early_eos, prompts, reference
+from trl_infinite.utils.model_zoo import random_model
 from trl_infinite.utils.tiny_configs import build_tiny_model, sizes
 
 SETTINGS = [(torch.float32, None), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
@@ -112,10 +120,36 @@ def greedy_agreement(table: Table, seeds: int) -> None:
                   generate_batched_vs_batch1_differ=batched_diff / (runs * 4))
 
 
+def decode_step_ms(table: Table, rows: int = 16, prompt_len: int = 128, new_tokens: int = 32) -> None:
+    prompt = torch.randint(2, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[1])
+
+    def seconds(engine, tokens: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            start = time.process_time()
+            engine.generate([prompt], rows, sampling, forced_lengths=[[tokens] * rows])
+            best = min(best, time.process_time() - start)
+        return best
+
+    for weights, autocast in ((torch.float32, None), (torch.float32, torch.bfloat16), (torch.bfloat16, None)):
+        model = random_model("smollm2-135m", dtype=weights)
+        with _autocast(autocast):
+            for cascade in (True, False):
+                engine = RolloutEngine(model, EngineConfig(max_active_sequences=rows, cpu_decode_kernel=False,
+                                                           kv_cache_tokens=4 * rows * (prompt_len + new_tokens)))
+                if not cascade:  # benchmark only: the step passes no group slots, so every row attends whole
+                    engine.decoder.cascade_slots = False
+                ms = (seconds(engine, new_tokens) - seconds(engine, 1)) / (new_tokens - 1) * 1e3
+                table.add(weights=_name(weights), autocast=_name(autocast), kv_pool=_name(engine.pool.dtype),
+                          decode=("cascade (default)" if cascade else "whole context"), ms_per_step=ms)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     ap.add_argument("--seeds", type=int, default=3, help="random tiny models per architecture and head dim")
+    ap.add_argument("--timing", action="store_true", help="also time decode steps (table 3)")
     ap.add_argument("--json", default=None, help="also write the tables to this JSON file (and .md beside it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -136,8 +170,13 @@ def main(argv=None) -> None:
     greedy = Table(["autocast", "models", "engine_sequences", "engine_vs_generate_differ",
                     "generate_batched_sequences", "generate_batched_vs_batch1_differ"])
     greedy_agreement(greedy, args.seeds)
+    timing = Table(["weights", "autocast", "kv_pool", "decode", "ms_per_step"])
+    if args.timing:
+        decode_step_ms(timing)
     write_results(None, header, logits, {})
-    write_results(args.json, header, greedy, {"logits": logits.rows})
+    if args.timing:
+        write_results(None, header, timing, {})
+    write_results(args.json, header, greedy, {"logits": logits.rows, "timing": timing.rows})
 
 
 if __name__ == "__main__":

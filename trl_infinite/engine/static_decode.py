@@ -79,9 +79,8 @@ class StaticDecoder:
         # in use
         self.full_tables = not runner.backend.gathers_columns
         # only the torch backend's cascade decode on CPU reads the group slots (see `metadata.with_context`), and not
-        # where the C++ kernel serves every layer (`attention/cpu_decode.py`) or the pool is 16-bit
-        # (`ModelRunner.cascade_decode`); elsewhere the step passes no group tables, so no slot bucket multiplies the
-        # compiled graphs
+        # where the C++ kernel serves every layer (`attention/cpu_decode.py`; `ModelRunner.cascade_decode`);
+        # elsewhere the step passes no group tables, so no slot bucket multiplies the compiled graphs
         self.cascade_slots = runner.cascade_decode
         self.rows: DecodeRows | None = None
         self.sampler: Sampler | None = None
