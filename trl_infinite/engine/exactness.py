@@ -37,8 +37,10 @@ def exactness_tolerance(dtype: torch.dtype) -> float:
     (its parameter dtype, or the autocast dtype under autocast): float32 round-off, or the noise of 16-bit formats
     over a deep model, where two exact computations of the same logits differ by their rounding order
     (SmolLM2-135M, 30 layers: 1.5e-2 in bfloat16, 1.6e-3 in float16, 1.6e-6 in float32; float32 weights under
-    bfloat16 autocast: see `benchmarks/RESULTS.md`, "exactness under autocast"). A layer whose state is lost between
-    forwards gives errors of order 1."""
+    bfloat16 autocast 7e-3 to 1.1e-2, the model's own KV-cached decode against its forward 7e-3 to 9e-3:
+    `benchmarks/RESULTS.md`, "Exactness under autocast"). Adjacent bfloat16 values are 2^-8 to 2^-7 of their size
+    apart, so one rounding step of a large logit already exceeds the float32 tolerance. A layer whose state is lost
+    between forwards gives errors of order 1."""
     return 1e-3 if dtype in (torch.float32, torch.float64) else 1e-1
 
 
