@@ -53,7 +53,7 @@ class ModelRunner:
         # by the static step, wherever a layer falls back to the torch path. (With a 16-bit pool its two flash calls
         # round their partial outputs to 16 bits before the merge, a rounding order the model's single attention
         # call does not have: within the 16-bit tolerance, and on the greedy benchmark of
-        # `benchmarks/autocast_exactness.py` as close to `generate` as the whole-context path, at about half the
+        # `benchmarks/autocast_exactness.py` as close to `generate` as the whole-context path, at 0.54x to 0.6x the
         # decode step time on SmolLM2-135M's shape; see benchmarks/RESULTS.md.)
         self.cascade_decode = (self.device.type == "cpu" and self.backend.gathers_columns
                                and not self.decode_kernel_everywhere)
