@@ -23,10 +23,11 @@ through the dispatcher, the compiled step through inductor's C++ wrapper. `with_
 backend; every call it does not cover keeps the torch reference path. A failed build is logged once and changes
 nothing but speed.
 
-A 16-bit pool (16-bit weights, or float32 weights under autocast, `engine/autocast.py`) keeps the torch path: there
-the model's own attention rounds its inputs, probabilities and output to 16 bits in the order of the CPU flash
-kernel, which this float32 kernel does not reproduce (computing such a layer in float32 is what made the engine
-disagree with the model's bf16-autocast forward, relative logit error 3.5e-3).
+A 16-bit pool (16-bit weights, or float32 weights under autocast, `engine/autocast.py`) keeps the torch path, which
+computes in the 16-bit dtype as the model's own attention does (16-bit inputs and probabilities, 16-bit output);
+this kernel would compute such a layer in float32, a different precision than the model's (under bf16 autocast on
+a tiny Qwen3 its logits came out one bf16 step, 3.5e-3 relative, off the model's, and the engine was refused at the
+float32 tolerance). A 16-bit variant is not written.
 """
 
 from __future__ import annotations
