@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 DECODE_TOKENS = 3
 
 
+class NonFiniteModelError(ValueError):
+    """The model's own forward gives NaN / inf logits on the probe: not a model the engine cannot run, a model
+    nothing can sample from (its weights or buffers hold non-finite values, or it overflows in its dtype)."""
+
+
 def exactness_tolerance(dtype: torch.dtype) -> float:
     """Largest relative logit error (max |engine - model| / max |model|) accepted: float32 round-off, or the noise of
     16-bit formats over a deep model (SmolLM2-135M, 30 layers: 1.5e-2 in bfloat16, 1.6e-3 in float16, 1.6e-6 in
@@ -59,6 +64,13 @@ def exactness_problem(
         ref = model(input_ids=ids, use_cache=False).logits[0, p - 1 :].float()
     except Exception as exc:  # noqa: BLE001
         return f"its own forward fails ({type(exc).__name__}: {str(exc)[:200]})"
+    if not torch.isfinite(ref).all():
+        raise NonFiniteModelError(
+            f"the model's own forward produced NaN/inf logits on the engine's support probe ({param.dtype}, "
+            f"{ids.shape[1]} tokens): its weights or buffers hold non-finite values, or it overflows in this dtype. "
+            "Nothing can be sampled from it (`generate` raises 'probability tensor contains either `inf`, `nan` or "
+            "element < 0')."
+        )
     err = _relative_error(got, ref)
     if not err <= exactness_tolerance(param.dtype):
         return (f"prefill + decode through the paged KV cache does not reproduce the model's own forward (relative "
