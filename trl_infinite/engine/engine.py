@@ -159,6 +159,9 @@ class RolloutEngine:
                 on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
         try:
             drive(scheduler, executor, stats, on_finished=finished, on_decode_step=on_decode_step)
+            if self.pool.allocator.num_used:  # every sample finished: each block must have been given back
+                raise RuntimeError(f"{self.pool.allocator.num_used} KV blocks still held after every sample "
+                                   "finished (scheduler bug).")
         except NonFiniteLogitsError:
             self.pool.zero()  # NaN K/V left in blocks would leak into later calls through masked reads (0 * NaN)
             raise

@@ -57,11 +57,15 @@ IGNORED_KEYS = ("cache_implementation", "cache_config", "max_cache_len", "compil
 
 
 def ignored_generation_keys(generation_kwargs: dict) -> list[str]:
-    """The keys of `generation_kwargs` the engine accepts but does not honour (`IGNORED_KEYS`), where they are set
-    to something other than `generate`'s default."""
+    """The keys of `generation_kwargs` the engine accepts but does not honour (`IGNORED_KEYS`), where they ask for
+    something (not None, not `generate`'s default, not False for the flags asking for extra outputs)."""
     defaults = GenerationConfig._get_default_generation_params()
-    return sorted(k for k, v in generation_kwargs.items()
-                  if k in IGNORED_KEYS and v is not None and not (k in defaults and defaults[k] == v))
+
+    def asks(key, value) -> bool:
+        return value is not None and not (key in defaults and defaults[key] == value) and not (
+            value is False and key != "use_cache")
+
+    return sorted(k for k, v in generation_kwargs.items() if k in IGNORED_KEYS and asks(k, v))
 
 
 def generation_config_keys() -> frozenset[str]:
