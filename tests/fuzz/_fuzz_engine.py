@@ -33,11 +33,13 @@ MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
 
 @dataclass
 class Call:
-    """One `generate` call: prompts, G, sampling settings."""
+    """One `generate` call: prompts, G, sampling settings; `fault_at`: the call is first interrupted by an exception
+    from its `fault_at`-th decode step (then made again), None: not."""
 
     prompts: list[list[int]]
     num_generations: int
     sampling: SamplingParams
+    fault_at: int | None = None
 
 
 @dataclass
@@ -83,7 +85,8 @@ def sampling_params(draw, eos_pool: list[int]) -> SamplingParams:
     greedy = draw(st.booleans())
     eos = draw(st.lists(st.sampled_from(eos_pool), max_size=2, unique=True))
     kw = dict(max_new_tokens=draw(st.integers(1, 24)), eos_token_ids=eos, seed=draw(st.integers(0, 2**64 - 1)),
-              repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])))
+              repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
+              raw_logprobs_temperature=draw(st.sampled_from([None, None, 1.0, 0.7])))
     if draw(st.integers(0, 7)) == 0:  # a key beyond the fast path: the eager decode path with `generate`'s processors
         kw["generation_kwargs"] = draw(st.sampled_from([{"no_repeat_ngram_size": 2}, {"min_new_tokens": 3},
                                                          {"suppress_tokens": [1, 2, 3]}]))
@@ -138,7 +141,8 @@ def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
     case = Case(arch=draw(st.sampled_from(["qwen3", "llama"])), config=draw(engine_settings(allow_compile)),
                 extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 8, 64])))
     for _ in range(draw(st.integers(1, 3))):  # several calls on one engine: history, predictors, pool reuse
-        case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool))))
+        fault = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1, 6)))
+        case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool)), fault))
     return case
 
 
@@ -202,11 +206,19 @@ def check_completions_end_properly(result: RolloutResult, sampling: SamplingPara
             assert len(ids) == sampling.max_new_tokens and reason == "length", (i, ids, reason)
 
 
-def check_same_tokens(model, call: Call, got: RolloutResult, ref: list[list[int]]) -> None:
-    """`got` equals `ref` row by row, except after a first difference that is a tie (module docstring)."""
+def check_same_tokens(model, call: Call, got: RolloutResult, ref: RolloutResult | list[list[int]]) -> None:
+    """`got` equals `ref` (a canonical result, or greedy token lists) row by row, except after a first difference that
+    is a tie (module docstring); where the tokens are equal, so are the log-probs (raw ones too) up to rounding."""
     g = call.num_generations
-    for row, (a, b) in enumerate(zip(got.completion_ids, ref)):
+    ref_ids = ref.completion_ids if isinstance(ref, RolloutResult) else ref
+    assert (got.raw_logprobs is not None) == (call.sampling.raw_logprobs_temperature is not None)
+    for row, (a, b) in enumerate(zip(got.completion_ids, ref_ids)):
         if a == b:
+            if isinstance(ref, RolloutResult):
+                pairs = [(got.logprobs, ref.logprobs)] + ([(got.raw_logprobs, ref.raw_logprobs)]
+                                                          if got.raw_logprobs is not None else [])
+                for x, y in pairs:
+                    assert len(x[row]) == len(a) and max(abs(u - v) for u, v in zip(x[row], y[row])) < 1e-3, row
             continue
         k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), None)
         assert k is not None, f"row {row}: one output is a prefix of the other: {a} vs {b}"
@@ -256,8 +268,7 @@ class World:
             return out
         key = (arch, tuple(map(tuple, call.prompts)), call.num_generations, repr(sp))
         if key not in self._sampled:
-            result = self.canonical[arch].generate(call.prompts, call.num_generations, sp)
-            self._sampled[key] = result.completion_ids
+            self._sampled[key] = self.canonical[arch].generate(call.prompts, call.num_generations, sp)
         return self._sampled[key]
 
 
@@ -277,5 +288,31 @@ def run_case(case) -> None:
     config = case.engine_config(w.draft)
     engine = RolloutEngine(model, config)
     for call in case.calls:
+        if call.fault_at is not None:
+            interrupted(model, engine, call)
         result = engine.generate(call.prompts, call.num_generations, call.sampling)
         check_call(model, engine, call, result, w.reference(case.arch, call))
+
+
+class _Fault(Exception):
+    pass
+
+
+def interrupted(model, engine: RolloutEngine, call: Call) -> None:
+    """The call, interrupted by an exception from its `fault_at`-th decode step: the exception reaches the caller,
+    and the engine holds nothing afterwards, with the model as it was."""
+    state = (model.training, model.config._attn_implementation)
+    steps = []
+
+    def fault(batch, seconds):
+        steps.append(1)
+        if len(steps) == call.fault_at:
+            raise _Fault
+
+    try:
+        engine.generate(call.prompts, call.num_generations, call.sampling, on_decode_step=fault)
+    except _Fault:
+        pass
+    assert engine.pool.allocator.num_used == 0
+    assert engine.predictor.predictions == {}
+    assert (model.training, model.config._attn_implementation) == state

@@ -19,7 +19,7 @@ from _fuzz_engine import cases, run_case, world
 from hypothesis import HealthCheck, given, settings
 
 settings.register_profile(
-    "fuzz-ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True,
+    "fuzz-ci", max_examples=200, derandomize=True, deadline=None, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
@@ -35,6 +35,9 @@ def _profile(request) -> settings:
     profile = settings.get_profile("fuzz-long" if long else "fuzz-ci")
     examples = os.environ.get("TRL_INFINITE_FUZZ_EXAMPLES")
     return settings(profile, max_examples=int(examples)) if examples else profile
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unfeasible length constraints")  # generate, on min_new_tokens
 
 
 @pytest.fixture(autouse=True)
