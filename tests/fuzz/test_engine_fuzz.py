@@ -19,7 +19,7 @@ from _fuzz_engine import cases, run_case, world
 from hypothesis import HealthCheck, given, settings
 
 settings.register_profile(
-    "fuzz-ci", max_examples=200, derandomize=True, deadline=None, database=None, print_blob=True,
+    "fuzz-ci", max_examples=160, derandomize=True, deadline=None, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
