@@ -7,6 +7,10 @@
    idle prompts, the first re-admitted sample prefilled its prompt again into other blocks, and it *and its siblings
    re-admitted after it in that pass* (whose prompt was resident again by then) kept decode rows pointing at the old
    prompt blocks.
+3. The same bug with `chunk_tokens=1` (speculation off, `fuzz-ci` profile): first as log-probs that differ while the
+   tokens still agree (the rows attended to stale prompt blocks), then as different sampled tokens.
+4. An interrupted call (an exception from its first decode step) left its KV blocks held until the next call
+   (speculation off, `fuzz-ci` profile).
 """
 
 from __future__ import annotations
@@ -36,3 +40,14 @@ def test_siblings_readmitted_after_their_prompt_was_prefilled_again():
     config = {**BASE, "block_size": 2, "scheduler": "sjf", "history_fallback": "siblings+prefix"}
     sampling = SamplingParams(max_new_tokens=20, temperature=0.0)
     run_case(Case("qwen3", config, 0, [Call([[0], [0], [0, 0]], 3, sampling)]))
+
+
+def test_one_token_chunks_keep_log_probs_and_tokens():
+    for max_new in (7, 5):
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=0.7, seed=0)
+        run_case(Case("qwen3", {**BASE, "chunk_tokens": 1}, 0, [Call([[0], [0], [0, 0]], 1, sampling)]))
+
+
+def test_an_interrupted_call_holds_no_block():
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+    run_case(Case("qwen3", BASE, 0, [Call([[0]], 1, sampling, fault_at=1)]))
