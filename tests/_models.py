@@ -61,9 +61,12 @@ def frequent_token(model: torch.nn.Module, prompts: list[list[int]], steps: int 
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
-    """`model.generate(do_sample=False)` cut after the first EOS (kept)."""
+    """`model.generate(do_sample=False)` cut after the first EOS (kept). The attention mask is passed: without it
+    `generate` would mask every prompt token equal to `pad_token_id`."""
+    ids = torch.tensor([prompt])
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None, pad_token_id=0
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=eos or None, pad_token_id=0,
     )[0, len(prompt):].tolist()
     for i, t in enumerate(out):
         if t in eos:

@@ -16,3 +16,8 @@ torch.set_num_threads(1)
 # `import triton` anywhere in the session (the engine imports it lazily for the "auto" backend).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-long", action="store_true", default=False,
+                     help="run the differential fuzzer's long profile (tests/fuzz; also TRL_INFINITE_FUZZ=long)")

@@ -79,8 +79,10 @@ def test_first_prediction_is_scored_against_the_constant_mean():
     finish(pred, warm_seqs[1], 40)  # the constant-mean predictor now says 30
     assert pred.estimate(seqs[0]) == 100
     finish(pred, seqs[0], 90)
-    assert pred.errors["history"] == [10] and pred.baseline_errors[-1] == 60
+    assert pred.source_scores["history"].call == [10] and pred.baseline.call[-1] == 60
     assert pred.mae_by_source()["history"] == (10, 1)
+    pred.end_call()  # per-call tables go; the running scores stay
+    assert pred.source_scores["history"].call == [] and pred.mae_by_source()["history"] == (10, 1)
 
 
 def test_group_predictor_forgets_siblings_between_calls():

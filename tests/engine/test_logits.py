@@ -116,7 +116,8 @@ def test_sampled_logprobs_are_those_of_the_processed_distribution(model):
 def test_fast_path_is_kept_for_common_keys(model):
     common = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, repetition_penalty=1.2)
     assert not Sampler(common).has_extra_processors
-    neutral = SamplingParams(generation_kwargs={"output_scores": True, "pad_token_id": 0, "typical_p": 1.0})
+    with pytest.warns(UserWarning, match="output_scores"):  # named as a key the engine does not honour
+        neutral = SamplingParams(generation_kwargs={"output_scores": True, "pad_token_id": 0, "typical_p": 1.0})
     assert not Sampler(neutral, GenerationProcessors(model, neutral, torch.device("cpu"))).has_extra_processors
     extra = SamplingParams(generation_kwargs={"no_repeat_ngram_size": 2})
     sampler = Sampler(extra, GenerationProcessors(model, extra, torch.device("cpu")))

@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.config import SAMPLING_MODES
-from trl_infinite.engine.sampler import STREAM_ACCEPT, STREAM_SAMPLE, categorical, row_keys, uniform64, uniforms
+from trl_infinite.engine.sampler import STREAM_SAMPLE, categorical, row_keys, uniform64, uniforms
 
 ALPHA = 1e-3
 NUM_SAMPLES = 12000  # samples of one prompt (the RNG is keyed by sample index, so they are independent draws)
@@ -147,7 +147,7 @@ def test_row_keys_are_distinct_per_component():
     keys = _grid_keys()
     assert keys.unique().numel() == keys.numel()
     assert not torch.equal(keys, _grid_keys(seed=4))
-    assert (keys != _grid_keys(stream=STREAM_ACCEPT)).all()
+    assert (keys != _grid_keys(stream=STREAM_SAMPLE + 1)).all()
 
 
 def test_uniforms_are_uniform_and_pure():

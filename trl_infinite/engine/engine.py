@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from .autocast import autocast_dtype, describe
+from .batch import NonFiniteLogitsError
 from .block_manager import blocks_for
 from .config import EngineConfig, SamplingParams
 from .eval_mode import eval_mode
@@ -17,6 +18,7 @@ from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
 from .logits import GenerationProcessors
 from .loop import StepTimer, drive
+from .model_guard import model_guard
 from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
 from .sampler import Sampler
@@ -49,7 +51,8 @@ class RolloutEngine:
         param = next(model.parameters())
         self.device = param.device
         self.autocast = autocast_dtype(self.device.type)  # the enclosing state every `generate` must match
-        self.support = check_support(model, self.config.attention_backend, self.config.cpu_decode_kernel)
+        with model_guard(model, "RolloutEngine(model)"):  # the probe switches attention and mode for a moment
+            self.support = check_support(model, self.config.attention_backend, self.config.cpu_decode_kernel)
         self.vocab_size = model_vocab_size(model)
         reserve = 0
         if self.device.type == "cuda" and self.config.cuda_graphs:
@@ -128,12 +131,18 @@ class RolloutEngine:
         tokens' read-back, so the device work is included).
 
         `prompt_ids`: a list of token-id lists (a 2D integer tensor / array is converted); ids must lie in
-        [0, vocab). The model runs in eval mode for the call and gets its previous mode back afterwards."""
+        [0, vocab). The model runs in eval mode for the call and gets its previous mode (and its own attention
+        implementation) back afterwards, on every exit path, errors and `KeyboardInterrupt` included; the call's KV
+        blocks and per-call tables are released at once then too.
+
+        One call per model at a time (`model_guard`): a call from another thread waits for the running one; a call
+        from inside a running one (a callback) raises `RuntimeError`. Logits that are not finite raise
+        `NonFiniteLogitsError` naming the step and the sample."""
         sampling = sampling or SamplingParams()
         self._check_autocast()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
-        with torch.inference_mode(), eval_mode(self.model):
+        with model_guard(self.model), torch.inference_mode(), eval_mode(self.model):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
                                   on_decode_step)
 
@@ -169,8 +178,16 @@ class RolloutEngine:
                 on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
         try:
             drive(scheduler, executor, stats, on_finished=finished, on_decode_step=on_decode_step)
-        finally:
+            if self.pool.allocator.num_used:  # every sample finished: each block must have been given back
+                raise RuntimeError(f"{self.pool.allocator.num_used} KV blocks still held after every sample "
+                                   "finished (scheduler bug).")
+        except NonFiniteLogitsError:
+            self.pool.zero()  # NaN K/V left in blocks would leak into later calls through masked reads (0 * NaN)
+            raise
+        finally:  # also on error / KeyboardInterrupt: nothing of this call stays held until the next one
             self.decoder.end()
+            self.pool.reset()
+            self.predictor.end_call()
         self._fill_stats(stats, start)
         remember_visits(self.history, groups)
         return RolloutResult(
@@ -178,6 +195,7 @@ class RolloutEngine:
             logprobs=[s.logprobs for s in seqs],
             stats=stats,
             finish_reasons=[s.finish_reason for s in seqs],
+            raw_logprobs=[s.raw_logprobs for s in seqs] if sampling.raw_logprobs_temperature is not None else None,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -32,6 +32,11 @@ DECODE_TOKENS = 3
 NO_AUTOCAST = "in TRL / accelerate: `bf16=False` and `fp16=False`"  # how a trainer user turns autocast off
 
 
+class NonFiniteModelError(ValueError):
+    """The model's own forward gives NaN / inf logits on the probe: not a model the engine cannot run, a model
+    nothing can sample from (its weights or buffers hold non-finite values, or it overflows in its dtype)."""
+
+
 def exactness_tolerance(dtype: torch.dtype) -> float:
     """Largest relative logit error (max |engine - model| / max |model|) accepted for a model computing in `dtype`
     (its parameter dtype, or the autocast dtype under autocast): float32 round-off, or the noise of 16-bit formats
@@ -82,6 +87,13 @@ def exactness_problem(
         ref = model(input_ids=ids, use_cache=False).logits[0, p - 1 :].float()
     except Exception as exc:  # noqa: BLE001
         return f"its own forward fails {describe(support.autocast)} ({type(exc).__name__}: {str(exc)[:200]})"
+    if not torch.isfinite(ref).all():
+        raise NonFiniteModelError(
+            f"the model's own forward produced NaN/inf logits on the engine's support probe "
+            f"({describe(support.autocast)}, {ids.shape[1]} tokens): its weights or buffers hold non-finite values, "
+            "or it overflows in this dtype. Nothing can be sampled from it (`generate` raises 'probability tensor "
+            "contains either `inf`, `nan` or element < 0')."
+        )
     tol = exactness_tolerance(support.compute_dtype)
     for path, rows in (("eager", eager), ("static decode step", static)):
         err = _relative_error(torch.cat([first, *rows]).float(), ref)

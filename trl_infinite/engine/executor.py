@@ -48,8 +48,9 @@ class StepContext:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
                contexts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [N] and log-probs [N] drawn from `logits` [N, V] for `seqs` at `positions` (the emitted token's
-        position); `contexts[i]` are the ids row i's context holds (needed by the repetition penalty)."""
+        """Tokens [N] and log-probs ([N], or [N, 2] with raw ones: `Sampler.sample`) drawn from `logits` [N, V] for
+        `seqs` at `positions` (the emitted token's position); `contexts[i]` are the ids row i's context holds
+        (needed by the repetition penalty)."""
         seen = history = None
         if self.sampler.uses_context:
             history = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
@@ -62,7 +63,15 @@ class StepContext:
         keys = row_keys(self.seed, torch.tensor([s.group_id for s in seqs], device=dev),
                         torch.tensor([s.sample_idx for s in seqs], device=dev), torch.tensor(positions, device=dev))
         processed = self.sampler.process(logits, seen, history, [s.prompt_len for s in seqs])
-        return self.sampler.sample(processed, keys)
+        return self.sampler.sample(processed, keys, logits)
+
+
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float], list[float] | None]:
+    """One device->host copy of sampled tokens [N] and log-probs ([N], or [N, 2] with raw ones): (token ids,
+    log-probs, raw log-probs or None)."""
+    n = tokens.shape[0]
+    host = torch.cat([tokens[:, None].double(), logprobs.double().reshape(n, -1)], 1).T.tolist()
+    return [int(t) for t in host[0]], host[1], host[2] if len(host) > 2 else None
 
 
 class PrefixCapture:
@@ -96,11 +105,11 @@ class ModelExecutor:
         """Run the step's prefills, start its decode forward, return the function that completes the step."""
         self._swap(batch)
         out = StepOutput()
-        out.first_tokens, out.first_logprobs = self._prefill(batch)
+        out.first_tokens, out.first_logprobs, out.first_raw_logprobs = self._prefill(batch)
         if not batch.decode:
             return lambda: out
         if self.spec is not None:
-            out.tokens, out.logprobs = self.spec.run(batch)
+            out.tokens, out.logprobs, out.raw_logprobs = self.spec.run(batch)
             return lambda: out
         if self.ctx.decoder is None:  # extra processors: eager
             decoded = self._eager_decode(batch.decode)
@@ -115,6 +124,8 @@ class ModelExecutor:
                     self.prefix.deliver(batch.decode[i], decoded.hidden[decoded.rows[i]])
             out.tokens = [[t] for t in decoded.tokens]
             out.logprobs = [[lp] for lp in decoded.logprobs]
+            if decoded.raw_logprobs is not None:
+                out.raw_logprobs = [[lp] for lp in decoded.raw_logprobs]
             return out
 
         return complete
@@ -132,9 +143,8 @@ class ModelExecutor:
         want_hidden = self.prefix is not None and bool(self.prefix.wanted(seqs))
         logits, hidden = self.ctx.runner.forward(segments, torch.arange(len(seqs)), output_hidden=want_hidden)
         contexts = [s.group.prompt_ids + s.output_ids for s in seqs]
-        tokens, logprobs = self.ctx.sample(logits, seqs, [s.num_tokens for s in seqs], contexts)
-        host = torch.stack([tokens.double(), logprobs.double()]).tolist()
-        return Decoded([int(t) for t in host[0]], host[1], hidden, list(range(len(seqs))))
+        tokens, logprobs, raw = to_host(*self.ctx.sample(logits, seqs, [s.num_tokens for s in seqs], contexts))
+        return Decoded(tokens, logprobs, hidden, list(range(len(seqs))), raw)
 
     def _swap(self, batch: ScheduledBatch) -> None:
         """Divided rollout's host tier: copy parked samples' KV out (first), then returning ones back in."""
@@ -143,7 +153,7 @@ class ModelExecutor:
         for seq, blocks in batch.swap_in:
             self.ctx.pool.copy_in(blocks, self.host_kv.pop(seq.seq_id))
 
-    def _prefill(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
+    def _prefill(self, batch: ScheduledBatch):
         """Prefill prompts and recomputes; the first token of every sample of each prefilled prompt that has none."""
         segments = [Segment(g.prompt_len, g.prompt_blocks, [], 0, g.prompt_ids, g.group_id) for g in batch.prefill_groups]
         segments += [
@@ -151,7 +161,7 @@ class ModelExecutor:
             for s in batch.recompute
         ]
         if not segments:
-            return [], []
+            return [], [], None
         last_logits: dict[int, torch.Tensor] = {}  # group_id -> logits at the prompt's last position
         stats = self.ctx.stats
         for chunk in chunk_segments(segments, self.ctx.max_prefill_tokens):
@@ -165,17 +175,18 @@ class ModelExecutor:
         return self._first_tokens(batch.prefill_groups, last_logits)
 
     def _first_tokens(self, groups: list[Group], last_logits: dict[int, torch.Tensor]):
+        """(tokens, log-probs, raw log-probs or None) of every sample without a token, one list per group."""
         fresh = [g.pending_first() for g in groups]
         seqs = [s for samples in fresh for s in samples]
         if not seqs:
-            return [[] for _ in groups], [[] for _ in groups]
+            return [[] for _ in groups], [[] for _ in groups], None
         logits = torch.stack([last_logits[s.group_id] for s in seqs])  # [N, V]
         contexts = [s.group.prompt_ids for s in seqs] if self.ctx.sampler.uses_context else None
-        tokens, logprobs = self.ctx.sample(logits, seqs, [s.prompt_len for s in seqs], contexts)
-        host = torch.stack([tokens.double(), logprobs.double()]).tolist()
-        out_t, out_lp, i = [], [], 0
+        tokens, logprobs, raw = to_host(*self.ctx.sample(logits, seqs, [s.prompt_len for s in seqs], contexts))
+        out_t, out_lp, out_raw, i = [], [], [], 0
         for samples in fresh:
-            out_t.append([int(t) for t in host[0][i : i + len(samples)]])
-            out_lp.append(host[1][i : i + len(samples)])
+            out_t.append(tokens[i : i + len(samples)])
+            out_lp.append(logprobs[i : i + len(samples)])
+            out_raw.append(raw[i : i + len(samples)] if raw is not None else None)
             i += len(samples)
-        return out_t, out_lp
+        return out_t, out_lp, (out_raw if raw is not None else None)

@@ -102,6 +102,11 @@ class KVCachePool:
     def reset(self) -> None:
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
 
+    def zero(self) -> None:
+        """Zero every cached key and value (after a call whose values were not finite)."""
+        for t in (*self.k_caches, *self.v_caches):
+            t.zero_()
+
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks, device=self.device)
         return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)

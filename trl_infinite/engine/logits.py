@@ -48,6 +48,26 @@ _DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
 _STATEFUL_PROCESSORS = ("UnbatchedClassifierFreeGuidanceLogitsProcessor", "SynthIDTextWatermarkLogitsProcessor")
 
 
+# keys that configure `generate`'s own machinery (its KV cache, compilation, what it returns besides the tokens):
+# the engine has its own and leaves them without effect; they do not change the sampled tokens. (`disable_compile`
+# is left out: TRL sets it on every config it builds.)
+IGNORED_KEYS = ("cache_implementation", "cache_config", "max_cache_len", "compile_config", "use_cache",
+                "prefill_chunk_size", "low_memory", "continuous_batching_config", "output_attentions",
+                "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate")
+
+
+def ignored_generation_keys(generation_kwargs: dict) -> list[str]:
+    """The keys of `generation_kwargs` the engine accepts but does not honour (`IGNORED_KEYS`), where they ask for
+    something (not None, not `generate`'s default, not False for the flags asking for extra outputs)."""
+    defaults = GenerationConfig._get_default_generation_params()
+
+    def asks(key, value) -> bool:
+        return value is not None and not (key in defaults and defaults[key] == value) and not (
+            value is False and key != "use_cache")
+
+    return sorted(k for k, v in generation_kwargs.items() if k in IGNORED_KEYS and asks(k, v))
+
+
 def generation_config_keys() -> frozenset[str]:
     """Every key a `GenerationConfig` knows."""
     return frozenset(k for k in GenerationConfig().__dict__ if not k.startswith("_"))

@@ -55,9 +55,12 @@ class RolloutStats:
 
 @dataclass
 class RolloutResult:
-    """`completion_ids[i * G + j]` is sample j of prompt i, cut after its first EOS (kept)."""
+    """`completion_ids[i * G + j]` is sample j of prompt i, cut after its first EOS (kept). `logprobs`: each token's
+    log-probability under the processed distribution it was drawn from; `raw_logprobs` (only with
+    `SamplingParams.raw_logprobs_temperature`, else None): under `softmax(raw logits / raw_logprobs_temperature)`."""
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     stats: RolloutStats
     finish_reasons: list[str] = field(default_factory=list)
+    raw_logprobs: list[list[float]] | None = None

@@ -10,7 +10,8 @@ found on the cumulative block sums, the token on the cumulative sums inside that
 
 Every uniform is a pure function of (seed, prompt index, sample index, position, stream), a counter-based
 generator: the same seed gives the same sample whatever the batch composition, the sampling mode or the scheduler,
-and speculative verification draws its acceptance coins from the same streams.
+and speculative verification recomputes plain sampling's draw at each position from the same uniform, so it emits
+the same tokens (`spec_decode/verify.py`). `seed` is an integer in [0, 2**64): distinct seeds give distinct keys.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .batch import INVALID_TOKEN
 from .config import SamplingParams
 from .logits import GenerationProcessors
 
@@ -38,7 +40,7 @@ def _signed(v: int) -> int:
 _C1 = 0xFF51AFD7ED558CCD - (1 << 64)  # murmur3 fmix64 constants, as signed int64
 _C2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
+STREAM_SAMPLE = 0  # the stream of every sampled token (other streams are free for other uses)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -156,13 +158,19 @@ class Sampler:
             if params.min_p > 0.0:
                 warpers.append(MinPLogitsWarper(min_p=params.min_p))
         self.warpers = LogitsProcessorList(warpers)
+        self.raw_temperature = params.raw_logprobs_temperature
+        # the raw log-probs are the processed ones when nothing but the same temperature processes the logits
+        self._raw_is_processed = (
+            self.processors is None and not params.greedy and params.temperature == self.raw_temperature
+            and not params.top_k and params.top_p >= 1.0 and params.min_p <= 0.0 and params.repetition_penalty == 1.0
+        )
 
     @property
     def params_key(self) -> tuple:
         """What processing and sampling depend on (not the seed, EOS ids or lengths): static decode is keyed on it."""
         p = self.params
         return (p.greedy, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                repr(sorted(p.generation_kwargs.items())), self.processors is not None)
+                repr(sorted(p.generation_kwargs.items())), self.processors is not None, p.raw_logprobs_temperature)
 
     @property
     def has_extra_processors(self) -> bool:
@@ -191,7 +199,31 @@ class Sampler:
         scores = self.warpers(None, scores)
         return torch.log_softmax(scores, dim=-1)
 
-    def sample(self, logprobs: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [N] and their log-probabilities [N] from processed `logprobs` [N, V]."""
+    @property
+    def returns_raw(self) -> bool:
+        """Whether `sample` also returns raw log-probs (`SamplingParams.raw_logprobs_temperature` is set)."""
+        return self.raw_temperature is not None
+
+    def sample(self, logprobs: torch.Tensor, keys: torch.Tensor, logits: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [N] and their log-probabilities from processed `logprobs` [N, V]: [N] processed log-probs, or, when
+        `returns_raw`, [N, 2] (processed, raw), the raw one under `log_softmax(logits / raw_logprobs_temperature)`
+        of the raw `logits` [N, V] (needed then).
+
+        A row whose logits are not finite gets token `INVALID_TOKEN` (-1): its processed row is NaN in every column
+        (`log_softmax` of a row holding NaN or +inf, or only -inf, is NaN throughout), so one column is checked.
+        The flag travels with the tokens (no host sync here); whoever reads them back raises
+        `NonFiniteLogitsError` (`Scheduler.postprocess`)."""
         tokens = logprobs.argmax(-1) if self.params.greedy else categorical(logprobs, keys)
-        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+        bad = logprobs[:, 0].isnan()  # [N]
+        tokens = tokens.clamp_max(logprobs.shape[-1] - 1)  # a NaN row's draw may point past the vocabulary
+        out = logprobs.gather(1, tokens[:, None])[:, 0]
+        if self.raw_temperature is not None:
+            if self._raw_is_processed:
+                raw = out
+            else:
+                if logits is None:
+                    raise ValueError("`logits` are needed to return raw log-probs (`raw_logprobs_temperature`).")
+                raw = torch.log_softmax(logits.float() / self.raw_temperature, -1).gather(1, tokens[:, None])[:, 0]
+            out = torch.stack([out, raw], 1)  # [N, 2]
+        return torch.where(bad, INVALID_TOKEN, tokens), out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from .inputs import eos_list
@@ -13,7 +14,12 @@ class SamplingParams:
     """What to sample; semantics follow `transformers.GenerationConfig` (and so TRL's generation settings).
 
     `temperature == 0` or `do_sample=False` means greedy decoding. `top_k=0`, `top_p=1`, `min_p=0` and
-    `repetition_penalty=1` disable those processors. `seed` makes sampling reproducible per (prompt, sample).
+    `repetition_penalty=1` disable those processors. `seed` (an integer in [0, 2**64)) makes sampling reproducible
+    per (prompt, sample, position): the same seed gives the same samples in every mode, schedule and with or without
+    speculation. `raw_logprobs_temperature` (None: off): also return, per emitted token, its log-probability under
+    `softmax(raw logits / raw_logprobs_temperature)`, the model's own distribution at that temperature before any
+    truncation, penalty or other processor (TRL computes its `per_token_logps` this way); `RolloutResult.logprobs`
+    stays that of the processed distribution the token was drawn from.
     `generation_kwargs` takes any other `GenerationConfig` key (`no_repeat_ngram_size`, `bad_words_ids`,
     `suppress_tokens`, `min_new_tokens`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`, `top_h`, ...), applied through
     the logits processors `generate` builds (see `engine/logits.py`); keys that need another decoding algorithm
@@ -30,6 +36,7 @@ class SamplingParams:
     eos_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
     generation_kwargs: dict = field(default_factory=dict)
+    raw_logprobs_temperature: float | None = None
 
     def __post_init__(self) -> None:
         integer("max_new_tokens", self.max_new_tokens, allow_none=True)
@@ -46,8 +53,10 @@ class SamplingParams:
         if not self.eos_token_ids and self.max_new_tokens is None:
             raise ValueError("`eos_token_ids` is empty and `max_new_tokens` is None: generation would never stop. "
                              "Set `max_new_tokens` to a positive integer or give at least one EOS id.")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"`seed` must be an integer, got {self.seed!r}.")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"`seed` must be an integer in [0, 2**64), got {self.seed!r} (the sampler's keys are 64 "
+                             "bits: a larger or negative seed would silently repeat another seed's samples).")
+        positive("raw_logprobs_temperature", self.raw_logprobs_temperature, allow_none=True)
         self._check_generation_kwargs()
 
     def _check_generation_kwargs(self) -> None:
@@ -56,6 +65,7 @@ class SamplingParams:
             RESERVED_KEYS,
             generation_config_keys,
             generation_config_of,
+            ignored_generation_keys,
             unsupported_generation_keys,
         )
 
@@ -72,6 +82,12 @@ class SamplingParams:
         if bad:
             raise ValueError(f"`generation_kwargs` keys {bad} need a decoding algorithm other than sampling or greedy "
                              "search (or change what `generate` returns); the rollout engine cannot run them.")
+        ignored = ignored_generation_keys(self.generation_kwargs)
+        if ignored:
+            warnings.warn(f"`generation_kwargs` keys {ignored} configure `generate`'s own KV cache, compilation or "
+                          "returned extras; the rollout engine has its own (its paged KV pool, `EngineConfig.compile`) "
+                          "and ignores them. The sampled tokens are the same as `generate`'s.", UserWarning,
+                          stacklevel=4)
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,7 @@ group finished; a sample owns only the blocks of its own completion tokens.
 
 from __future__ import annotations
 
-from .batch import ScheduledBatch, SchedulerCounters, StepOutput
+from .batch import INVALID_TOKEN, NonFiniteLogitsError, ScheduledBatch, SchedulerCounters, StepOutput
 from .block_manager import BlockAllocator, blocks_for
 from .scheduling.base import AdmissionPolicy, SchedulePolicy, SchedulerView
 from .sequence import Group, SeqStatus, Sequence
@@ -172,6 +172,8 @@ class Scheduler:
         self.running.append(seq)
         if seq.num_generated > 1 and not resumed:
             batch.recompute.append(seq)
+        if seq.num_generated > 0:
+            batch.readmitted.append(seq)
 
     # ------------------------------------------------------------------ divided rollout
     def _resume_kv(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> bool:
@@ -251,15 +253,21 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> None:
         """Append the step's tokens through `Sequence.append_token` (the one stop rule), finish the samples that
         ended, roll back unused lookahead blocks, and return samples that reached their chunk to the queue."""
-        for group, toks, lps in zip(batch.prefill_groups, out.first_tokens, out.first_logprobs):
-            for seq, t, lp in zip(group.pending_first(), toks, lps):
-                if seq.append_token(t, lp):
+        first_raw = out.first_raw_logprobs or [None] * len(out.first_tokens)
+        for group, toks, lps, raws in zip(batch.prefill_groups, out.first_tokens, out.first_logprobs, first_raw):
+            for k, (seq, t, lp) in enumerate(zip(group.pending_first(), toks, lps)):
+                if t == INVALID_TOKEN:
+                    raise NonFiniteLogitsError(self.step_idx, seq, 0)
+                if seq.append_token(t, lp, None if raws is None else raws[k]):
                     self.finish(seq)
         chunked = self.chunk_tokens is not None or self.policy.chunks
-        for seq, toks, lps in zip(batch.decode, out.tokens, out.logprobs):
+        raw_rows = out.raw_logprobs or [None] * len(out.tokens)
+        for seq, toks, lps, raws in zip(batch.decode, out.tokens, out.logprobs, raw_rows):
             done = False
-            for t, lp in zip(toks, lps):
-                done = seq.append_token(t, lp)
+            for k, (t, lp) in enumerate(zip(toks, lps)):
+                if t == INVALID_TOKEN:
+                    raise NonFiniteLogitsError(self.step_idx, seq, seq.num_generated)
+                done = seq.append_token(t, lp, None if raws is None else raws[k])
                 if done:
                     break
             if done:

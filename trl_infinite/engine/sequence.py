@@ -78,6 +78,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)  # only when the call asks for them
     blocks: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     admit_order: int = -1
@@ -116,10 +117,12 @@ class Sequence:
     def length_limit(self) -> int:
         return self.max_new_tokens if self.forced_length is None else min(self.forced_length, self.max_new_tokens)
 
-    def append_token(self, token: int, logprob: float = 0.0) -> bool:
+    def append_token(self, token: int, logprob: float = 0.0, raw_logprob: float | None = None) -> bool:
         """Append one sampled token; returns True when this token finishes the sample."""
         self.output_ids.append(int(token))
         self.logprobs.append(float(logprob))
+        if raw_logprob is not None:
+            self.raw_logprobs.append(float(raw_logprob))
         if self.forced_length is None and token in self.eos_token_ids:
             self.finish_reason = "stop"
             return True

@@ -58,6 +58,7 @@ class Decoded:
     logprobs: list[float]
     hidden: torch.Tensor | None
     rows: list[int]
+    raw_logprobs: list[float] | None = None  # with `SamplingParams.raw_logprobs_temperature`
 
 
 class _Captured:
@@ -171,10 +172,11 @@ class StaticDecoder:
             tokens, logprobs, hidden = self._replay((padded, pcols, ocols, slots), args)
         else:
             tokens, logprobs, hidden = self._run(args)
-        packed = torch.stack([tokens[:n].double(), logprobs[:n].double()])  # [2, n]: ids are exact in float64
+        # [2, n] (token, log-prob), or [3, n] with raw log-probs: ids are exact in float64
+        packed = torch.cat([tokens[:n, None].double(), logprobs[:n].double().reshape(n, -1)], 1).T
         if packed.is_cuda:
-            if self._host is None or self._host.shape[1] < rows.capacity:
-                self._host = torch.empty(2, rows.capacity, dtype=torch.float64, pin_memory=True)
+            if self._host is None or self._host.shape[1] < rows.capacity or self._host.shape[0] != packed.shape[0]:
+                self._host = torch.empty(packed.shape[0], rows.capacity, dtype=torch.float64, pin_memory=True)
             packed = self._host[:, :n].copy_(packed, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -186,7 +188,8 @@ class StaticDecoder:
                 done.synchronize()
             t4 = time.perf_counter()
             host = packed.tolist()
-            out = Decoded([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of)
+            out = Decoded([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of,
+                          [host[2][r] for r in row_of] if len(host) > 2 else None)
             stats.host_time_s += (t1 - t0) + (time.perf_counter() - t4)
             stats.decode_forward_s += (t2 - t1) + (t4 - t3)
             return out
@@ -219,7 +222,7 @@ class StaticDecoder:
         logits, hidden = self.runner.run(ids[None], pos[None], meta, 0, self.want_hidden)
         logprobs = self.sampler.process(logits, seen)
         keys = row_keys(seed, group, sample, pos + 1)
-        tokens, token_logprobs = self.sampler.sample(logprobs, keys)
+        tokens, token_logprobs = self.sampler.sample(logprobs, keys, logits)
         inputs[0].copy_(tokens)
         inputs[1].add_((group >= 0).long())
         if seen is not None:

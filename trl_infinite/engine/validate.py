@@ -1,6 +1,9 @@
-"""Checks of user-given config values: each raises `ValueError` naming the field and what it accepts."""
+"""Checks of user-given config values: each raises `ValueError` naming the field and what it accepts. Numbers must
+be finite (NaN and infinities are refused, not clamped)."""
 
 from __future__ import annotations
+
+import math
 
 
 def choice(name: str, value, allowed: tuple) -> None:
@@ -17,16 +20,20 @@ def integer(name: str, value, minimum: int = 1, allow_none: bool = False) -> Non
         raise ValueError(f"`{name}` must be an integer >= {minimum}{none}, got {value!r}.")
 
 
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def number(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a number, got {value!r}.")
+    if not _finite_number(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
 
 
 def positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
     if value is None and allow_none:
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    ok = _finite_number(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         none = " or None" if allow_none else ""
-        raise ValueError(f"`{name}` must be a number {bound}{none}, got {value!r}.")
+        raise ValueError(f"`{name}` must be a finite number {bound}{none}, got {value!r}.")

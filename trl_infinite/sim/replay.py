@@ -181,11 +181,10 @@ def simulate(
     if history is None:
         history = PromptHistory(config.history_max_prompts, config.history_max_visits, max_tokens=0)
     predictor = predictor or build_predictor(config.length_predictor, config.prefix_k, history, config.history_fallback)
-    baseline = getattr(predictor, "baseline_errors", None)
+    baseline = getattr(predictor, "baseline", None)  # `ErrorStats` of the constant-mean predictor (history)
     out = SimResult()
     active_sum = 0
     for chunk in _calls(records, config.prompts_per_call):
-        errors_before = (len(predictor.abs_errors), len(baseline) if baseline is not None else 0)
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
         seqs = [s for g in groups for s in g.samples]
@@ -214,9 +213,10 @@ def simulate(
         out.calls.append(CallSummary(
             epoch=chunk[0].epoch, decode_steps=stats.decode_steps, bound=oracle_bound([s.num_generated for s in seqs], config.slots),
             tail_steps=stats.tail_decode_steps, offloaded_blocks=stats.offloaded_blocks,
-            errors=predictor.abs_errors[errors_before[0]:],
-            constant_errors=baseline[errors_before[1]:] if baseline is not None else [],
+            errors=list(predictor.scores.call),
+            constant_errors=list(baseline.call) if baseline is not None else [],
         ))
+        predictor.end_call()
         remember_visits(history, groups, tokens=False)
     out.mean_active = active_sum / out.decode_steps if out.decode_steps else 0.0
     out.prediction_mae = predictor.mae

@@ -2,9 +2,11 @@
 
 Each sample keeps its whole context (prompt + completion) in its own blocks of the draft pool. `propose` first runs
 the not-yet-cached context through the draft model (catch-up), then decodes k tokens one forward at a time, all
-samples batched. Draft tokens are sampled from the draft's processed distribution `q` (same temperature / top-k /
-top-p / min-p as the target, so `q` is close to `p`) with the counter-based stream `STREAM_DRAFT`, and `q` is
-returned so verification can use `min(1, p/q)` with the residual `(p - q)_+`.
+samples batched. Draft tokens are drawn from the draft's processed distribution `q` (same temperature / top-k /
+top-p / min-p as the target, so `q` is close to `p`) by inverse CDF with the very uniform plain sampling uses at that
+position (`STREAM_SAMPLE`, keyed by seed, prompt, sample and position): verification accepts a draft exactly when the
+target's own draw at that position is the same token (`verify.py`), which the shared uniform makes likely when `q`
+is close to `p`. The emitted tokens are those of plain decoding, whatever the draft model proposes.
 After verification, the KV of drafts that were accepted stays valid; the rest is overwritten by the next catch-up.
 """
 
@@ -16,12 +18,10 @@ from ..engine.attention import Segment
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.kv_pool import KVCachePool
 from ..engine.model_runner import ModelRunner, last_rows
-from ..engine.sampler import Sampler, row_keys
+from ..engine.sampler import STREAM_SAMPLE, Sampler, row_keys
 from ..engine.sequence import Sequence
 from ..engine.support import check_support
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
-
-STREAM_DRAFT = 3
 
 
 def load_draft_model(spec, device: torch.device) -> torch.nn.Module:
@@ -79,22 +79,27 @@ class DraftModelDrafter(Drafter):
             return out
         states = [self.states[seqs[i].seq_id] for i in todo]
         drafts: list[list[int]] = [[] for _ in todo]
-        qs: list[list[torch.Tensor]] = [[] for _ in todo]
+        live = [True] * len(todo)  # a draft stops at a token the draft model's logits cannot give (not finite)
         for r in range(max(ks[i] for i in todo)):
-            rows = [j for j, i in enumerate(todo) if ks[i] > r]
+            rows = [j for j, i in enumerate(todo) if ks[i] > r and live[j]]
+            if not rows:
+                break
             segs = [self._segment(states[j], drafts[j]) for j in rows]
             logits, _ = self.runner.forward(segs, last_rows(segs))
             q = self.sampler.process(logits)  # [R, V]
+            # the emitted position of d_{r+1} is len(ctx) + r: the key of the target's own draw there
             pos = torch.tensor([len(states[j].ctx) + r for j in rows], device=self.device)
-            keys = row_keys(self.seed, *self._ids([seqs[todo[j]] for j in rows]), pos, STREAM_DRAFT)
-            toks, _ = self.sampler.sample(q, keys)
-            for j, t, q_row in zip(rows, toks.tolist(), q):
+            keys = row_keys(self.seed, *self._ids([seqs[todo[j]] for j in rows]), pos, STREAM_SAMPLE)
+            toks, _ = self.sampler.sample(q, keys, logits)
+            for j, t in zip(rows, toks.tolist()):
+                if t < 0:
+                    live[j] = False
+                    continue
                 drafts[j].append(t)
-                qs[j].append(q_row)
                 states[j].cached = len(states[j].ctx) + r  # KV now covers ctx + d_1..d_r (d_{r+1} not fed yet)
         for j, i in enumerate(todo):
             states[j].drafts = drafts[j]
-            out[i] = Proposal(drafts[j], torch.stack(qs[j]))
+            out[i] = Proposal(drafts[j])
         return out
 
     def _ids(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:

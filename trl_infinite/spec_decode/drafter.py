@@ -3,7 +3,8 @@
 A drafter sees each sample through four calls: `start(seq)` when the sample first decodes (its context is
 `prompt_ids + output_ids`), `update(seq, tokens)` with every token the sample emits from then on, `propose(seqs, ks)`
 for up to `ks[i]` draft tokens per sample, and `stop(seq)` when it finished. Drafts are proposals only: verification
-decides what is emitted, so a drafter can never change the output distribution, only the speed.
+emits exactly the tokens plain decoding would (`verify.py`), so a drafter can never change the output, only the
+speed.
 """
 
 from __future__ import annotations
@@ -11,19 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from ..engine.plugins import DRAFTERS, register_drafter
 from ..engine.sequence import Sequence
 
 
 @dataclass
 class Proposal:
-    """Draft tokens for one sample; `logprobs` [len(tokens), V] is the draft distribution q they were drawn from
-    (None for deterministic drafters, where q is a point mass)."""
+    """Draft tokens for one sample (verification needs no draft distribution: it compares each draft with the
+    token plain decoding emits at that position)."""
 
     tokens: list[int]
-    logprobs: torch.Tensor | None = None
 
 
 EMPTY = Proposal([])

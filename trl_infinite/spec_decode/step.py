@@ -17,11 +17,11 @@ from ..engine.attention import Segment
 from ..engine.batch import ScheduledBatch
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.executor import StepContext
-from ..engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, row_keys, seen_mask
+from ..engine.sampler import STREAM_SAMPLE, row_keys, seen_mask
 from ..engine.sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
 from .drafter import EMPTY, Drafter, Proposal, build_drafter
-from .verify import Verified, verify_greedy, verify_sampling
+from .verify import Verified, verify
 
 
 class Speculator:
@@ -68,8 +68,9 @@ class SpeculativeStep:
         return self.spec.max_tokens
 
     # ------------------------------------------------------------------ one step
-    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]]]:
-        """Draft, verify in one forward, return each row's accepted drafts + correction/bonus token."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]], list[list[float]] | None]:
+        """Draft, verify in one forward, return each row's accepted drafts + correction/bonus token (tokens,
+        log-probs, raw log-probs or None; see `StepOutput`)."""
         seqs = batch.decode
         for s in seqs:
             if not self.drafter.started(s):
@@ -81,7 +82,8 @@ class SpeculativeStep:
             t0 = time.perf_counter()
             decoded = self.ctx.decoder.launch(batch, self.ctx.stats)()
             self._observe(seqs, drafts, [0] * len(seqs), time.perf_counter() - t0)
-            return [[t] for t in decoded.tokens], [[lp] for lp in decoded.logprobs]
+            raw = None if decoded.raw_logprobs is None else [[lp] for lp in decoded.raw_logprobs]
+            return [[t] for t in decoded.tokens], [[lp] for lp in decoded.logprobs], raw
         if self.ctx.decoder is not None:  # this step appends tokens the static rows do not see: rebuild them next
             self.ctx.decoder.invalidate()
         start = [s.num_tokens - 1 for s in seqs]
@@ -89,10 +91,11 @@ class SpeculativeStep:
         t0 = time.perf_counter()
         n_query = sum(len(seg.tokens) for seg in segments)
         logits, _ = self.ctx.runner.forward(segments, torch.arange(n_query))
-        verified = self._verify(seqs, proposals, start, logits)
-        toks, lps, n_acc = _to_host(verified)
+        verified, raw = self._verify(seqs, proposals, start, logits)
+        toks, lps, raws, n_acc = _to_host(verified, raw)
         self._observe(seqs, drafts, n_acc, time.perf_counter() - t0)
-        return [row[: n + 1] for row, n in zip(toks, n_acc)], [row[: n + 1] for row, n in zip(lps, n_acc)]
+        cut = lambda rows: [row[: n + 1] for row, n in zip(rows, n_acc)]  # noqa: E731
+        return cut(toks), cut(lps), None if raws is None else cut(raws)
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Tell the drafter the tokens the scheduler kept; forget finished samples."""
@@ -116,7 +119,7 @@ class SpeculativeStep:
         if not any(ks):
             return [EMPTY] * len(seqs)
         proposals = self.drafter.propose(seqs, ks)
-        return [Proposal(p.tokens[:k], None if p.logprobs is None else p.logprobs[:k]) for p, k in zip(proposals, ks)]
+        return [Proposal(p.tokens[:k]) for p, k in zip(proposals, ks)]
 
     @staticmethod
     def _segment(seq: Sequence, tokens: list[int], pos: int) -> Segment:
@@ -124,7 +127,10 @@ class SpeculativeStep:
         return Segment(g.prompt_len, g.prompt_blocks, seq.blocks, pos, tokens, g.group_id)
 
     # -- verification
-    def _verify(self, seqs, proposals, start, logits) -> Verified:
+    def _verify(self, seqs, proposals, start, logits) -> tuple[Verified, torch.Tensor | None]:
+        """Identity verification (`verify.py`) of the drafts against the logits of the verification forward
+        ([T, V], T = sum of (drafts + 1) per row); also the raw log-probs [N, K+1] of the emitted tokens when the
+        sampler returns them."""
         device = logits.device
         drafts = [p.tokens for p in proposals]
         k = max(len(d) for d in drafts)
@@ -143,10 +149,13 @@ class SpeculativeStep:
         p = p_flat[idx]  # [N, K+1, V]
         d = torch.tensor([dr + [0] * (k - len(dr)) for dr in drafts], dtype=torch.long, device=device)
         d = d.view(len(drafts), k)  # [N, K]
-        if self.greedy:
-            return verify_greedy(p, d, lens)
-        keys = [self._keys(seqs, start, k, stream) for stream in (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE)]
-        return verify_sampling(p, d, lens, *keys, q=_draft_logprobs(proposals, k, p.shape[-1], device))
+        keys = None if self.greedy else self._keys(seqs, start, k, STREAM_SAMPLE)
+        verified = verify(p, d, lens, keys)
+        raw = None
+        if sampler.returns_raw:  # the model's own log-probs at the raw-log-prob temperature, of the emitted tokens
+            raw_rows = torch.log_softmax(logits.float() / sampler.raw_temperature, -1)[idx]  # [N, K+1, V]
+            raw = raw_rows.gather(2, verified.tokens.clamp_min(0)[:, :, None])[:, :, 0]
+        return verified, raw
 
     def _keys(self, seqs, start, k: int, stream: int) -> torch.Tensor:
         """[N, K+1] keys of emitted positions start+1 .. start+1+K."""
@@ -174,11 +183,15 @@ class SpeculativeStep:
         stats.mean_acceptance_length = (stats.accepted_tokens + self.verified_rows) / self.verified_rows
 
 
-def _to_host(v: Verified) -> tuple[list[list[int]], list[list[float]], list[int]]:
-    """One device->host copy per step: tokens (exact in float64), log-probs and accepted counts together."""
+def _to_host(v: Verified, raw: torch.Tensor | None):
+    """One device->host copy per step: tokens (exact in float64), log-probs, raw log-probs (or None) and accepted
+    counts together."""
     k1 = v.tokens.shape[1]
-    rows = torch.cat([v.tokens.double(), v.logprobs.double(), v.num_accepted[:, None].double()], 1).tolist()
-    return ([[int(t) for t in r[:k1]] for r in rows], [r[k1 : 2 * k1] for r in rows], [int(r[-1]) for r in rows])
+    parts = [v.tokens.double(), v.logprobs.double()] + ([raw.double()] if raw is not None else [])
+    rows = torch.cat([*parts, v.num_accepted[:, None].double()], 1).tolist()
+    toks = [[int(t) for t in r[:k1]] for r in rows]
+    raws = [r[2 * k1 : 3 * k1] for r in rows] if raw is not None else None
+    return toks, [r[k1 : 2 * k1] for r in rows], raws, [int(r[-1]) for r in rows]
 
 
 def _history_rows(seqs, drafts) -> torch.Tensor:
@@ -191,17 +204,3 @@ def _history_rows(seqs, drafts) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
-
-
-def _draft_logprobs(proposals: list[Proposal], k: int, vocab: int, device) -> torch.Tensor | None:
-    """[N, K, V] draft distributions, point masses for deterministic drafts; None if no proposal has any."""
-    if k == 0 or all(p.logprobs is None for p in proposals):
-        return None
-    q = torch.full((len(proposals), k, vocab), float("-inf"), device=device)
-    for i, p in enumerate(proposals):
-        if p.logprobs is not None:
-            q[i, : len(p.tokens)] = p.logprobs.to(device)
-        else:
-            q[i, torch.arange(len(p.tokens)), torch.tensor(p.tokens, dtype=torch.long)] = 0.0
-    return q
-

@@ -9,9 +9,6 @@ from .compat import SUPPORTED_TRL, check_trl_hooks
 check_trl_hooks()
 
 from .config import InfiniteGRPOConfig, engine_config_from_args  # noqa: E402
-from .streaming import RewardFunctionError  # noqa: E402
 from .trainer import InfiniteGRPOTrainer  # noqa: E402
 
-__all__ = [
-    "SUPPORTED_TRL", "InfiniteGRPOConfig", "InfiniteGRPOTrainer", "RewardFunctionError", "engine_config_from_args",
-]
+__all__ = ["SUPPORTED_TRL", "InfiniteGRPOConfig", "InfiniteGRPOTrainer", "engine_config_from_args"]

@@ -20,10 +20,14 @@ def effective_generation_config(model: torch.nn.Module, generation_config: Gener
 
 
 def engine_sampling_params(
-    config: GenerationConfig, max_new_tokens: int, eos_token_ids: list[int], seed: int
+    config: GenerationConfig, max_new_tokens: int, eos_token_ids: list[int], seed: int,
+    logprobs_temperature: float | None = None,
 ) -> SamplingParams:
     """`SamplingParams` of an effective generation config: the common keys as fields, every other set key in
-    `generation_kwargs`. EOS ids: TRL's (its completions end at the first of them) plus the config's."""
+    `generation_kwargs`. EOS ids: TRL's (its completions end at the first of them) plus the config's.
+    `logprobs_temperature`: the temperature of the log-probs handed to TRL (TRL scores tokens with
+    `log_softmax(logits / args.temperature)`, without top-k / top-p / min-p or penalties; the engine then returns
+    those as raw log-probs next to the processed ones)."""
     common, extra = split_generation_config(config)
     eos = list(eos_token_ids)
     config_eos = config.eos_token_id
@@ -32,7 +36,7 @@ def engine_sampling_params(
             eos.append(int(t))
     return SamplingParams(
         max_new_tokens=config.max_new_tokens or max_new_tokens, eos_token_ids=eos, seed=seed,
-        generation_kwargs=extra, **common,
+        generation_kwargs=extra, raw_logprobs_temperature=logprobs_temperature, **common,
     )
 
 

@@ -8,7 +8,7 @@ the neighbouring process), `generate_rows` calls the engine once per distinct gr
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,10 +45,44 @@ def check_groups(prompt_ids: list[list[int]], runs: list[PromptRun]) -> None:
                              "(TRL's layout: each prompt `num_generations` times in a row) but hold several.")
 
 
-def rollout_seed(base_seed: int, process_index: int, call_index: int) -> int:
-    """A distinct sampling seed per (run seed, process, engine call): the engine's RNG is a pure function of
-    (seed, prompt, sample, position), so reusing a seed would repeat the previous batch's samples."""
-    return zlib.crc32(f"{base_seed}/{process_index}/{call_index}".encode()) & 0x7FFFFFFF
+@dataclass(frozen=True)
+class RolloutKey:
+    """Where a rollout happens in training, from state a checkpoint restores: the optimizer step
+    (`state.global_step`), the micro step inside it (TRL's `_step` modulo the gradient accumulation steps), train or
+    eval, the process, and the engine call within that micro step (the tool loop and evaluation batches call the
+    engine several times per micro step)."""
+
+    global_step: int
+    micro_step: int
+    mode: str
+    process_index: int
+    call: int = 0
+
+
+def rollout_seed(base_seed: int, key: RolloutKey) -> int:
+    """The engine's sampling seed for one rollout: a hash of the run's seed and `key`, in [0, 2**63). The engine's
+    randomness is a pure function of (seed, prompt, sample, position), so a seed derived from checkpointed state
+    makes a resumed run sample exactly what the uninterrupted run sampled; distinct keys get distinct seeds (a
+    repeated seed would repeat a batch's samples)."""
+    text = f"{base_seed}/{key.mode}/{key.global_step}/{key.micro_step}/{key.process_index}/{key.call}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class RolloutSeeds:
+    """Counts the engine calls of each (global step, micro step, mode) to give each its `RolloutKey`; keeps only
+    the current step's count (bounded)."""
+
+    def __init__(self) -> None:
+        self._step: tuple | None = None
+        self._calls = 0
+
+    def next_key(self, global_step: int, micro_step: int, mode: str, process_index: int) -> RolloutKey:
+        step = (global_step, micro_step, mode)
+        if step != self._step:
+            self._step, self._calls = step, 0
+        key = RolloutKey(global_step, micro_step, mode, process_index, self._calls)
+        self._calls += 1
+        return key
 
 
 RowCallback = Callable[[int, list[int]], None]  # (row index in TRL's order, completion ids)
@@ -62,7 +96,8 @@ def generate_rows(
     on_row_finished: RowCallback | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[RolloutStats]]:
     """Completions and sampling log-probs for every row of `prompt_ids` (TRL's order), and the stats of each call;
-    `runs`: the rows' prompt groups (`trl_groups`)."""
+    `runs`: the rows' prompt groups (`trl_groups`). The log-probs are the engine's raw ones when `sampling` asks for
+    them (`raw_logprobs_temperature`: TRL's convention), else those of the processed distribution."""
     check_groups(prompt_ids, runs)
     completions: list[list[int] | None] = [None] * len(prompt_ids)
     logprobs: list[list[float] | None] = [None] * len(prompt_ids)
@@ -76,7 +111,8 @@ def generate_rows(
         result = engine.generate(
             [list(prompt_ids[r.start]) for r in chosen], length, sampling, on_sample_finished=callback
         )
-        for k, (ids, lps) in enumerate(zip(result.completion_ids, result.logprobs)):
+        chosen_lps = result.raw_logprobs if result.raw_logprobs is not None else result.logprobs
+        for k, (ids, lps) in enumerate(zip(result.completion_ids, chosen_lps)):
             row = chosen[k // length].start + k % length
             completions[row], logprobs[row] = list(ids), list(lps)
         stats.append(result.stats)

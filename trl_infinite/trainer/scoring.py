@@ -5,14 +5,13 @@ async functions gathered on TRL's event loop), only on fewer rows."""
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from collections.abc import Callable
 
 from trl.extras.profiling import profiling_context
 
 from .cached_rewards import streamed_funcs
 from .rollout import PromptRun
-from .streaming import ChunkScores, RewardFunctionError
+from .streaming import ChunkScores
 
 _RESERVED = ("prompt", "completion", "completion_ids")
 
@@ -73,7 +72,8 @@ class ChunkScorer:
             with profiling_context(self.trainer, self.names[f]):
                 return func(**kwargs)
         except Exception as err:
-            raise self._pinpoint(f, func, rows, completions, completion_ids, err) from err
+            self._annotate(f, rows, err)
+            raise
 
     def _run_async(self, pending: list, rows, completions, completion_ids) -> list[list]:
         async def one(f, func, kwargs):
@@ -84,9 +84,10 @@ class ChunkScorer:
             return await asyncio.gather(*(one(f, func, kw) for f, func, kw, _ in pending), return_exceptions=True)
 
         results = asyncio.run_coroutine_threadsafe(gather(), self.trainer.async_loop).result()
-        for (f, func, _, _), result in zip(pending, results):
+        for (f, _, _, _), result in zip(pending, results):
             if isinstance(result, BaseException):
-                raise self._pinpoint(f, func, rows, completions, completion_ids, result) from result
+                self._annotate(f, rows, result)
+                raise result
         return results
 
     def _checked(self, f: int, rows: list[int], values) -> list:
@@ -100,21 +101,17 @@ class ChunkScorer:
             )
         return values
 
-    def _pinpoint(self, f: int, func, rows, completions, completion_ids, err: BaseException) -> RewardFunctionError:
-        """Re-runs the failing function prompt by prompt to name the prompt that makes it raise."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for k, r in enumerate(rows):
-            groups[self.prompt_of_row[r]].append(k)
-        if len(groups) > 1:
-            for p, ks in groups.items():
-                sub_rows = [rows[k] for k in ks]
-                kwargs = self._kwargs(sub_rows, [completions[k] for k in ks], [completion_ids[k] for k in ks], {})
-                try:
-                    result = func(**kwargs)
-                    if asyncio.iscoroutine(result):
-                        asyncio.run_coroutine_threadsafe(result, self.trainer.async_loop).result()
-                except Exception as sub:  # noqa: BLE001 - reported below with its prompt
-                    return RewardFunctionError(self.names[f], p, sub_rows, self.prompts[sub_rows[0]], sub)
-        p, ks = next(iter(groups.items()))
-        sub_rows = [rows[k] for k in ks]
-        return RewardFunctionError(self.names[f], p, sub_rows, self.prompts[sub_rows[0]], err)
+    def _annotate(self, f: int, rows: list[int], err: BaseException) -> None:
+        """Add where the error happened as a note (the exception itself, its type and traceback, stay the user's:
+        the function is called once, as TRL calls it)."""
+        if not hasattr(err, "add_note"):  # Python < 3.11
+            return
+        prompts = sorted({self.prompt_of_row[r] for r in rows})
+        err.add_note(f"InfiniteGRPOTrainer: raised by reward function {self.names[f]!r}, scored while the rollout ran, "
+                     f"on completion rows {rows[0]}..{rows[-1]} of this process's batch (prompts {prompts[0]}.."
+                     f"{prompts[-1]}); first prompt: {_short(self.prompts[rows[0]])}")
+
+
+def _short(prompt) -> str:
+    text = repr(prompt)
+    return text if len(text) <= 200 else text[:200] + "..."

@@ -18,19 +18,6 @@ from dataclasses import dataclass, field
 REWARD_EXECUTORS = ("main_thread", "thread")
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function raised; names the function, the prompt index in the local batch and the rows."""
-
-    def __init__(self, func_name: str, prompt_index: int, rows: list[int], prompt, cause: BaseException):
-        self.func_name, self.prompt_index, self.rows, self.prompt = func_name, prompt_index, rows, prompt
-        text = repr(prompt)
-        text = text if len(text) <= 200 else text[:200] + "..."
-        super().__init__(
-            f"reward function {func_name!r} raised {type(cause).__name__}: {cause} -- on prompt {prompt_index} of "
-            f"this process's batch (completion rows {rows[0]}..{rows[-1]}); prompt: {text}"
-        )
-
-
 @dataclass
 class ChunkScores:
     """What scoring some rows gave: per reward-function index, the function's values (one per row, as returned);

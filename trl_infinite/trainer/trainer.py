@@ -22,7 +22,7 @@ from .backprop import make_micro_batches
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
-from .rollout import PromptRun, generate_rows, rollout_metrics, rollout_seed, trl_groups
+from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups
 from .scoring import ChunkScorer
 from .streaming import StreamingRewards, StreamSlot
 
@@ -44,7 +44,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.engine_config = engine_config_from_args(self.args)
         self._engine: RolloutEngine | None = None
-        self._rollout_calls = 0
+        self._rollout_seeds = RolloutSeeds()
         self._stream_slot = StreamSlot()
         self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
         executor = getattr(self.args, "rollout_reward_executor", "main_thread")
@@ -96,7 +96,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Engine rollout for rows that hold each prompt `num_generations` times in a row (TRL's layout); the tool
         loop re-enters with one row per sample and `num_generations=1`. Returns (completion ids cut after the first
-        EOS, sampling log-probs of the processed distribution), both in row order."""
+        EOS, sampling log-probs in TRL's convention: `log_softmax(logits / temperature)` of the sampled token, as TRL's
+        own `per_token_logps`, with no top-k / top-p / min-p truncation or penalty), both in row order."""
         if not self.uses_engine:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -105,8 +106,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             raise ValueError("The rollout engine generates text only; set `use_vllm=True` for multimodal prompts.")
         groups = trl_groups(len(prompt_ids), num_generations, self.accelerator.process_index * len(prompt_ids))
         stream = self._start_stream(prompt_ids, groups)
-        self._rollout_calls += 1
-        seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollout_calls)
+        seed = self._rollout_seed()
         bar = tqdm(
             total=len(prompt_ids), desc="rollout", unit="sample", leave=False,
             disable=self.args.disable_tqdm or not self.accelerator.is_local_main_process,
@@ -123,7 +123,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             with (profiling_context(self, "rollout_engine.generate"), self._generation_model() as model,
                   self.accelerator.autocast()):
                 config = effective_generation_config(model, self.generation_config)
-                sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed)
+                sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed,
+                                                  logprobs_temperature=self.temperature)
                 engine = self._get_engine(model)
                 completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished)
         except UnsupportedModelError as err:  # the full support contract failed: TRL's own (exact) generation
@@ -141,6 +142,14 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             for key, value in rollout_metrics(s).items():
                 self._metrics[mode][key].append(value)
         return completions, logprobs
+
+    def _rollout_seed(self) -> int:
+        """The engine's seed for this rollout, from checkpointed state (`rollout.RolloutKey`): a run resumed from a
+        checkpoint samples what the uninterrupted run sampled."""
+        mode = "train" if self.model.training else "eval"
+        key = self._rollout_seeds.next_key(self.state.global_step, self._step % self.args.gradient_accumulation_steps,
+                                           mode, self.accelerator.process_index)
+        return rollout_seed(self.args.seed, key)
 
     @contextmanager
     def _generation_model(self):

@@ -31,7 +31,7 @@ from weakref import WeakKeyDictionary
 
 from ..history import PromptHistory
 from ..sequence import Group, Sequence
-from .predictors import LengthPredictor, PredictorOptions, PrefixPredictor, register_predictor
+from .predictors import ErrorStats, LengthPredictor, PredictorOptions, PrefixPredictor, register_predictor
 
 SOURCES = ("history", "siblings", "prefix", "global")
 FALLBACKS = ("none", "siblings", "prefix", "siblings+prefix")
@@ -87,8 +87,8 @@ class HistoryPredictor(LengthPredictor):
         self._past: WeakKeyDictionary[Group, SortedLengths] = WeakKeyDictionary()
         self._done: WeakKeyDictionary[Group, list[int]] = WeakKeyDictionary()
         self._first: dict[int, FirstPrediction] = {}  # seq_id -> first prediction (side table, popped at finish)
-        self.errors: dict[str, list[float]] = {s: [] for s in SOURCES}
-        self.baseline_errors: list[float] = []
+        self.source_scores: dict[str, ErrorStats] = {s: ErrorStats() for s in SOURCES}
+        self.baseline = ErrorStats()  # the constant-mean predictor on the same samples
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> HistoryPredictor:
@@ -99,6 +99,16 @@ class HistoryPredictor(LengthPredictor):
         self.prefix.begin_call(groups)
         self._past.clear()
         self._done.clear()
+
+    def end_call(self) -> None:
+        super().end_call()
+        self.prefix.end_call()
+        self._first.clear()
+        self._past.clear()
+        self._done.clear()
+        self.baseline.end_call()
+        for scores in self.source_scores.values():
+            scores.end_call()
 
     # ------------------------------------------------------------------ the chain
     def _past_lengths(self, group: Group) -> SortedLengths:
@@ -163,9 +173,9 @@ class HistoryPredictor(LengthPredictor):
         n = seq.num_generated
         first = self._first.pop(seq.seq_id, None)
         if first is not None:
-            self.abs_errors.append(abs(first.value - n))
-            self.errors[first.source].append(abs(first.value - n))
-            self.baseline_errors.append(abs(first.constant - n))
+            self.scores.add(abs(first.value - n))
+            self.source_scores[first.source].add(abs(first.value - n))
+            self.baseline.add(abs(first.constant - n))
         if self.prefix_k is not None:
             self.prefix.observe(seq)
         self._done.setdefault(seq.group, []).append(n)
@@ -177,9 +187,9 @@ class HistoryPredictor(LengthPredictor):
 
     @property
     def baseline_mae(self) -> float | None:
-        """MAE of the constant-mean predictor on the same samples, at the same moments."""
-        return sum(self.baseline_errors) / len(self.baseline_errors) if self.baseline_errors else None
+        """MAE of the constant-mean predictor on the same samples, at the same moments (all calls)."""
+        return self.baseline.mae
 
     def mae_by_source(self) -> dict[str, tuple[float, int]]:
-        """{source: (MAE, samples)} of the first predictions, per chain link that made them."""
-        return {s: (sum(e) / len(e), len(e)) for s, e in self.errors.items() if e}
+        """{source: (MAE, samples)} of the first predictions, per chain link that made them (all calls)."""
+        return {s: (e.mae, e.count) for s, e in self.source_scores.items() if e.count}

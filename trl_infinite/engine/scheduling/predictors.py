@@ -47,18 +47,49 @@ class PredictorOptions:
     history_window: int = 4096  # recent finished lengths behind the "history" chain's global mean
 
 
+class ErrorStats:
+    """Absolute errors of scored predictions in bounded memory: a running count and sum over every call (`mae`),
+    and the errors of the current call only (`call`, emptied by `end_call`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.call: list[float] = []
+
+    def add(self, error: float) -> None:
+        self.count += 1
+        self.total += error
+        self.call.append(error)
+
+    def end_call(self) -> None:
+        self.call = []
+
+    @property
+    def mae(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
 class LengthPredictor:
     """Base class. `prefix_k` is the number of completion tokens a sample must have before `predict` can answer
-    (None = it answers from the start); `wants_hidden` asks the executor for the hidden state at token k."""
+    (None = it answers from the start); `wants_hidden` asks the executor for the hidden state at token k.
+
+    A predictor lives as long as its engine, so everything it keeps per sample or per call is dropped by
+    `end_call` (the engine calls it when a `generate` call ends, also when the call was interrupted), and its
+    scores are running sums (`ErrorStats`): its memory does not grow with the number of calls."""
 
     name = "base"
     prefix_k: int | None = None
     wants_hidden: bool = False
 
     def __init__(self) -> None:
-        self.abs_errors: list[float] = []
+        self.scores = ErrorStats()
         # seq_id -> the prediction the sample is ranked with (side table, popped when the sample finishes)
         self.predictions: dict[int, float] = {}
+
+    @property
+    def abs_errors(self) -> list[float]:
+        """The absolute errors of the current call's scored predictions."""
+        return self.scores.call
 
     @classmethod
     def from_options(cls, options: PredictorOptions) -> LengthPredictor:
@@ -67,6 +98,11 @@ class LengthPredictor:
 
     def begin_call(self, groups: list[Group]) -> None:
         """A `generate` call with these prompt groups starts (called by the length-aware policies)."""
+
+    def end_call(self) -> None:
+        """A `generate` call ended (finished or interrupted): drop its per-sample and per-call tables."""
+        self.predictions.clear()
+        self.scores.end_call()
 
     def predict(self, seq: Sequence) -> float | None:
         return None
@@ -87,11 +123,12 @@ class LengthPredictor:
         """A sample finished: score the prediction it was scheduled with, then learn from it."""
         pred = self.predictions.pop(seq.seq_id, None)
         if pred is not None:
-            self.abs_errors.append(abs(pred - seq.num_generated))
+            self.scores.add(abs(pred - seq.num_generated))
 
     @property
     def mae(self) -> float | None:
-        return sum(self.abs_errors) / len(self.abs_errors) if self.abs_errors else None
+        """Mean absolute error of every prediction scored so far (all calls)."""
+        return self.scores.mae
 
     def estimate(self, seq: Sequence) -> float:
         """The cached prediction (computed once it is available), else `max_new_tokens` (conservative)."""
@@ -128,6 +165,10 @@ class GroupPredictor(LengthPredictor):
 
     def begin_call(self, groups: list[Group]) -> None:
         self.finished.clear()  # group ids restart every call: siblings are those of this call only
+
+    def end_call(self) -> None:
+        super().end_call()
+        self.finished.clear()
 
     def predict(self, seq: Sequence) -> float | None:
         done = self.finished.get(seq.group_id)
@@ -172,6 +213,11 @@ class PrefixPredictor(LengthPredictor):
 
     def begin_call(self, groups: list[Group]) -> None:
         self.fallback.begin_call(groups)
+
+    def end_call(self) -> None:
+        super().end_call()
+        self.fallback.end_call()
+        self.features.clear()
 
     def predict(self, seq: Sequence) -> float | None:
         if seq.num_generated < self.prefix_k:

@@ -1,0 +1,318 @@
+"""The differential fuzzer's pieces: strategies over engine configurations, prompts and call sequences; the
+references (`model.generate` for greedy, a canonical plain engine for sampling); the invariants.
+
+Outputs are compared token for token. Two forwards that compute the same logits through different kernels (the
+paged decode step against `generate`'s cache, a verification forward against a one-token step, batch buckets of
+different sizes) agree to float32 rounding, not bit for bit, so a token may flip where the choice is a tie at that
+rounding: an argmax between two logits within `TIE_TOLERANCE` of each other, or an inverse-CDF draw whose uniform
+falls within `TIE_TOLERANCE` of a CDF boundary. At the first token where two outputs differ the check recomputes
+the choice from the model's own full forward and accepts the rest of that sample only at such a tie; anything else
+fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from _models import tiny_model
+from hypothesis import strategies as st
+
+from trl_infinite.engine import EngineConfig, RolloutEngine, RolloutResult, SamplingParams
+from trl_infinite.engine.block_manager import blocks_for
+from trl_infinite.engine.logits import GenerationProcessors
+from trl_infinite.engine.sampler import Sampler, row_keys, seen_mask, uniform64
+
+TIE_TOLERANCE = 1e-5  # relative to the largest logit / the row's total mass
+VOCAB = 96
+SCHEDULERS = ("fifo", "sjf", "lfs", "lrf", "lfs_max", "fptas", "infinite", "seer")
+PREDICTORS = ("history", "prefix", "group", "none")
+FALLBACKS = ("none", "siblings", "prefix", "siblings+prefix")
+MODES = ("full_group", "micro_group", "fixed_slot", "dynamic_slot")
+
+
+@dataclass
+class Call:
+    """One `generate` call: prompts, G, sampling settings; `fault_at`: the call is first interrupted by an exception
+    from its `fault_at`-th decode step (then made again), None: not."""
+
+    prompts: list[list[int]]
+    num_generations: int
+    sampling: SamplingParams
+    fault_at: int | None = None
+
+
+@dataclass
+class Case:
+    """An engine configuration (all but the pool size) and the calls made on one engine built with it."""
+
+    arch: str
+    config: dict
+    extra_blocks: int  # pool size = the smallest the calls accept + this
+    calls: list[Call] = field(default_factory=list)
+
+    def engine_config(self, draft_model=None) -> EngineConfig:
+        bs = self.config["block_size"]
+        lookahead = self.config["num_speculative_tokens"] if self.config.get("speculative_method") else 0
+        need = max(blocks_for(len(p), bs) + blocks_for(c.sampling.max_new_tokens + lookahead, bs)
+                   for c in self.calls for p in c.prompts)
+        draft = draft_model if self.config.get("speculative_method") in ("draft_model", "best_of_n") else None
+        return EngineConfig(kv_cache_tokens=(need + self.extra_blocks + 1) * bs,  # + the null block
+                            speculative_draft_model=draft, **self.config)
+
+
+# ---------------------------------------------------------------------------------------------------- strategies
+@st.composite
+def prompt_sets(draw) -> list[list[int]]:
+    """1-4 prompts of 1-40 tokens, some sharing a prefix with an earlier one, some repeated whole."""
+    tokens = st.integers(0, VOCAB - 1)
+    prompts: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["fresh", "fresh", "shared_prefix", "repeat"])) if prompts else "fresh"
+        if kind == "fresh":
+            prompts.append(draw(st.lists(tokens, min_size=1, max_size=40)))
+        elif kind == "repeat":
+            prompts.append(list(draw(st.sampled_from(prompts))))
+        else:
+            base = draw(st.sampled_from(prompts))
+            cut = draw(st.integers(1, len(base)))
+            prompts.append(base[:cut] + draw(st.lists(tokens, min_size=0, max_size=12)))
+    return prompts
+
+
+@st.composite
+def sampling_params(draw, eos_pool: list[int]) -> SamplingParams:
+    greedy = draw(st.booleans())
+    eos = draw(st.lists(st.sampled_from(eos_pool), max_size=2, unique=True))
+    kw = dict(max_new_tokens=draw(st.integers(1, 24)), eos_token_ids=eos, seed=draw(st.integers(0, 2**64 - 1)),
+              repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
+              raw_logprobs_temperature=draw(st.sampled_from([None, None, 1.0, 0.7])))
+    if draw(st.integers(0, 7)) == 0:  # a key beyond the fast path: the eager decode path with `generate`'s processors
+        kw["generation_kwargs"] = draw(st.sampled_from([{"no_repeat_ngram_size": 2}, {"min_new_tokens": 3},
+                                                         {"suppress_tokens": [1, 2, 3]}]))
+    if greedy:
+        kw["temperature"] = 0.0
+    else:
+        kw.update(temperature=draw(st.sampled_from([0.7, 1.0, 1.3])), top_k=draw(st.sampled_from([0, 0, 5, 20])),
+                  top_p=draw(st.sampled_from([1.0, 1.0, 0.9])), min_p=draw(st.sampled_from([0.0, 0.0, 0.05])))
+    return SamplingParams(**kw)
+
+
+@st.composite
+def engine_settings(draw, allow_compile: bool) -> dict:
+    """Every `EngineConfig` choice that may not change the output (all of them but the model's weights)."""
+    cfg = dict(
+        sampling_mode=draw(st.sampled_from(MODES)),
+        max_active_sequences=draw(st.integers(1, 8)),
+        block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+        max_prefill_tokens=draw(st.sampled_from([1, 5, 16, 4096])),
+        scheduler=draw(st.sampled_from(SCHEDULERS)),
+        length_predictor=draw(st.sampled_from(PREDICTORS)),
+        history_fallback=draw(st.sampled_from(FALLBACKS)),
+        prefix_predictor_k=draw(st.integers(1, 4)),
+        prefix_predictor_min_train=draw(st.sampled_from([2, 8])),
+        batch_policy=draw(st.sampled_from(["static", "static", "memory", "sla"])),
+        chunk_tokens=draw(st.one_of(st.none(), st.integers(1, 8))),
+        cpu_decode_kernel=draw(st.booleans()),
+        history_max_prompts=draw(st.sampled_from([0, 2, 4096])),
+        history_max_visits=draw(st.integers(1, 3)),
+        history_max_tokens=draw(st.sampled_from([0, 50, 2_000_000])),
+        compile=allow_compile and draw(st.integers(0, 19)) == 0,  # slow on CPU: one case in twenty
+    )
+    if cfg["compile"]:  # Dynamo's capture and the guard-free dispatch with either backend; inductor's codegen too
+        cfg["compile_backend"] = draw(st.sampled_from(["eager", "inductor"]))
+    if cfg["batch_policy"] == "sla":  # decided from wall-clock step times: any outcome must give the same tokens
+        cfg.update(sla_decode_ms=draw(st.sampled_from([0.01, 5.0, 1000.0])), sla_window=draw(st.integers(1, 4)))
+    if cfg["batch_policy"] == "memory":
+        cfg["memory_min_observations"] = draw(st.integers(1, 4))
+    method = draw(st.sampled_from([None, None, "suffix", "ngram", "best_of_n", "draft_model"]))
+    cfg.update(speculative_method=method, num_speculative_tokens=draw(st.integers(1, 5)))
+    if method is not None:
+        cfg.update(speculative_adaptive=draw(st.booleans()),
+                   speculative_suffix_sources=draw(st.sampled_from(["siblings+history", "siblings", "history"])),
+                   speculative_suffix_min_confidence=draw(st.sampled_from([0.0, 0.1])),
+                   speculative_ngram_min_n=1, speculative_ngram_max_n=draw(st.integers(1, 4)),
+                   speculative_best_of_n_tail_batch=draw(st.sampled_from([0, 4, 64])))
+    return cfg
+
+
+@st.composite
+def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
+    case = Case(arch=draw(st.sampled_from(["qwen3", "llama"])), config=draw(engine_settings(allow_compile)),
+                extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 8, 64])))
+    for _ in range(draw(st.integers(1, 3))):  # several calls on one engine: history, predictors, pool reuse
+        fault = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1, 6)))
+        case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool)), fault))
+    return case
+
+
+# ---------------------------------------------------------------------------------------------------- references
+def greedy_reference(model, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    """`model.generate(do_sample=False)` with the same repetition penalty, cut after the first EOS (kept)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_new_tokens,
+                         do_sample=False, repetition_penalty=sampling.repetition_penalty,
+                         eos_token_id=sampling.eos_token_ids or None, pad_token_id=0,
+                         **sampling.generation_kwargs)[0, len(prompt):].tolist()
+    for i, t in enumerate(out):
+        if t in sampling.eos_token_ids:
+            return out[: i + 1]
+    return out
+
+
+def canonical_engine(model) -> RolloutEngine:
+    """The sampled reference: every sample at once, a pool that never preempts, no chunks, no speculation."""
+    return RolloutEngine(model, EngineConfig(sampling_mode="full_group", kv_cache_tokens=1 << 15, block_size=16,
+                                             scheduler="fifo", history_max_prompts=0))
+
+
+def _processed_row(model, context: list[int], prompt_len: int, sampling: SamplingParams) -> torch.Tensor:
+    """[V] processed log-probs of the next token after `context`, from the model's own full forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context]), use_cache=False).logits[0, -1:].float()
+    history = torch.tensor([context])
+    if sampling.generation_kwargs:
+        sampler = Sampler(sampling, GenerationProcessors(model, sampling, logits.device))
+        if sampler.has_extra_processors:
+            return sampler.process(logits, None, history, [prompt_len])[0]
+    return Sampler(sampling).process(logits, seen_mask(history, logits.shape[-1]))[0]
+
+
+def is_tie(model, prompt: list[int], done: list[int], a: int, b: int, sampling: SamplingParams, group: int,
+           sample: int) -> bool:
+    """Whether tokens `a` and `b` are both the right choice after `prompt + done` up to float32 rounding."""
+    row = _processed_row(model, prompt + done, len(prompt), sampling).double()
+    if sampling.greedy:
+        return abs(row[a] - row[b]).item() <= TIE_TOLERANCE * max(1.0, row.abs().max().item())
+    probs = row.exp()
+    cdf = probs.cumsum(0)
+    key = row_keys(sampling.seed, torch.tensor([group]), torch.tensor([sample]),
+                   torch.tensor([len(prompt) + len(done)]))
+    target = uniform64(key)[0].item() * cdf[-1].item()
+    lo, hi = min(a, b), max(a, b)
+    return bool((cdf[lo:hi] - target).abs().min().item() <= TIE_TOLERANCE * cdf[-1].item())
+
+
+# ---------------------------------------------------------------------------------------------------- invariants
+def check_completions_end_properly(result: RolloutResult, sampling: SamplingParams) -> None:
+    """Every sample runs to its first EOS (kept, nothing after it) or to exactly `max_new_tokens`."""
+    eos = set(sampling.eos_token_ids)
+    for i, (ids, reason) in enumerate(zip(result.completion_ids, result.finish_reasons)):
+        assert 1 <= len(ids) <= sampling.max_new_tokens, (i, ids)
+        assert not eos.intersection(ids[:-1]), f"row {i} continues after an EOS: {ids}"
+        if ids[-1] in eos:
+            assert reason == "stop", (i, reason)
+        else:
+            assert len(ids) == sampling.max_new_tokens and reason == "length", (i, ids, reason)
+
+
+def check_same_tokens(model, call: Call, got: RolloutResult, ref: RolloutResult | list[list[int]]) -> None:
+    """`got` equals `ref` (a canonical result, or greedy token lists) row by row, except after a first difference that
+    is a tie (module docstring); where the tokens are equal, so are the log-probs (raw ones too) up to rounding."""
+    g = call.num_generations
+    ref_ids = ref.completion_ids if isinstance(ref, RolloutResult) else ref
+    assert (got.raw_logprobs is not None) == (call.sampling.raw_logprobs_temperature is not None)
+    for row, (a, b) in enumerate(zip(got.completion_ids, ref_ids)):
+        if a == b:
+            if isinstance(ref, RolloutResult):
+                pairs = [(got.logprobs, ref.logprobs)] + ([(got.raw_logprobs, ref.raw_logprobs)]
+                                                          if got.raw_logprobs is not None else [])
+                for x, y in pairs:
+                    assert len(x[row]) == len(a) and max(abs(u - v) for u, v in zip(x[row], y[row])) < 1e-3, row
+            continue
+        k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), None)
+        assert k is not None, f"row {row}: one output is a prefix of the other: {a} vs {b}"
+        prompt = call.prompts[row // g]
+        tie = is_tie(model, prompt, b[:k], a[k], b[k], call.sampling, row // g, row % g)
+        assert tie, f"row {row} differs at token {k} without a tie: got {a}, expected {b}"
+
+
+def check_call(model, engine: RolloutEngine, call: Call, result: RolloutResult, reference) -> None:
+    check_completions_end_properly(result, call.sampling)
+    s = result.stats
+    assert s.peak_kv_blocks <= s.num_kv_blocks == engine.pool.num_blocks  # within the budget
+    assert engine.pool.allocator.num_used == 0  # nothing held after the call
+    assert len(result.completion_ids) == len(call.prompts) * call.num_generations
+    check_same_tokens(model, call, result, reference)
+
+
+# ---------------------------------------------------------------------------------------------------- running
+class World:
+    """Models, draft model and references shared by every example (references cached per input)."""
+
+    def __init__(self):
+        self.models = {arch: tiny_model(arch) for arch in ("qwen3", "llama")}
+        self.draft = tiny_model("llama", seed=3)
+        self.canonical = {arch: canonical_engine(m) for arch, m in self.models.items()}
+        self._greedy: dict = {}
+        self._sampled: dict = {}
+        # EOS candidates: tokens the models emit often (samples then end at varied lengths), and rare ones
+        counts: dict[int, int] = {}
+        for m in self.models.values():
+            out = m.generate(torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                             max_new_tokens=24, do_sample=True, top_k=8, num_return_sequences=4, pad_token_id=0)
+            for t in out[:, 4:].flatten().tolist():
+                counts[t] = counts.get(t, 0) + 1
+        self.eos_pool = sorted(counts, key=counts.get, reverse=True)[:4] + [0, 95]
+
+    def reference(self, arch: str, call) -> list[list[int]]:
+        model, sp = self.models[arch], call.sampling
+        if sp.greedy:
+            out = []
+            for p in call.prompts:
+                key = (arch, tuple(p), sp.max_new_tokens, tuple(sp.eos_token_ids), sp.repetition_penalty,
+                       repr(sorted(sp.generation_kwargs.items())))
+                if key not in self._greedy:
+                    self._greedy[key] = greedy_reference(model, p, sp)
+                out.extend([self._greedy[key]] * call.num_generations)
+            return out
+        key = (arch, tuple(map(tuple, call.prompts)), call.num_generations, repr(sp))
+        if key not in self._sampled:
+            self._sampled[key] = self.canonical[arch].generate(call.prompts, call.num_generations, sp)
+        return self._sampled[key]
+
+
+_WORLD: list[World] = []
+
+
+def world() -> World:
+    if not _WORLD:
+        _WORLD.append(World())
+    return _WORLD[0]
+
+
+def run_case(case) -> None:
+    """Build the engine of `case`, make its calls, check every invariant after each."""
+    w = world()
+    model = w.models[case.arch]
+    config = case.engine_config(w.draft)
+    engine = RolloutEngine(model, config)
+    for call in case.calls:
+        if call.fault_at is not None:
+            interrupted(model, engine, call)
+        result = engine.generate(call.prompts, call.num_generations, call.sampling)
+        check_call(model, engine, call, result, w.reference(case.arch, call))
+
+
+class _Fault(Exception):
+    pass
+
+
+def interrupted(model, engine: RolloutEngine, call: Call) -> None:
+    """The call, interrupted by an exception from its `fault_at`-th decode step: the exception reaches the caller,
+    and the engine holds nothing afterwards, with the model as it was."""
+    state = (model.training, model.config._attn_implementation)
+    steps = []
+
+    def fault(batch, seconds):
+        steps.append(1)
+        if len(steps) == call.fault_at:
+            raise _Fault
+
+    try:
+        engine.generate(call.prompts, call.num_generations, call.sampling, on_decode_step=fault)
+    except _Fault:
+        pass
+    assert engine.pool.allocator.num_used == 0
+    assert engine.predictor.predictions == {}
+    assert (model.training, model.config._attn_implementation) == state

@@ -1,0 +1,53 @@
+"""Failures the differential fuzzer found, shrunk by hypothesis, kept as ordinary tests (each failed before its fix).
+
+1. Speculation changed the samples (on `main` before issue 24: the first example of the `fuzz-ci` profile):
+   `best_of_n`, one prompt `[0]`, T=0.7, seed 0, 3 tokens: rejection sampling drew other tokens than plain sampling.
+2. Divided rollout gave wrong greedy tokens (found with speculation switched off in the fuzzer, long profile): a
+   minimal pool with the `prefix` probe parking every sample after its first token; when the next pass evicted the
+   idle prompts, the first re-admitted sample prefilled its prompt again into other blocks, and it *and its siblings
+   re-admitted after it in that pass* (whose prompt was resident again by then) kept decode rows pointing at the old
+   prompt blocks.
+3. The same bug with `chunk_tokens=1` (speculation off, `fuzz-ci` profile): first as log-probs that differ while the
+   tokens still agree (the rows attended to stale prompt blocks), then as different sampled tokens.
+4. An interrupted call (an exception from its first decode step) left its KV blocks held until the next call
+   (speculation off, `fuzz-ci` profile).
+"""
+
+from __future__ import annotations
+
+from _fuzz_engine import Call, Case, run_case
+
+from trl_infinite.engine import SamplingParams
+
+BASE = {
+    "sampling_mode": "full_group", "max_active_sequences": 1, "block_size": 1, "max_prefill_tokens": 1,
+    "scheduler": "fifo", "length_predictor": "history", "history_fallback": "none", "prefix_predictor_k": 1,
+    "prefix_predictor_min_train": 2, "batch_policy": "static", "chunk_tokens": None, "cpu_decode_kernel": False,
+    "history_max_prompts": 0, "history_max_visits": 1, "history_max_tokens": 0, "compile": False,
+    "speculative_method": None, "num_speculative_tokens": 1,
+}
+
+
+def test_speculation_keeps_the_plain_samples():
+    config = {**BASE, "speculative_method": "best_of_n", "speculative_adaptive": False,
+              "speculative_suffix_sources": "siblings+history", "speculative_suffix_min_confidence": 0.0,
+              "speculative_ngram_min_n": 1, "speculative_ngram_max_n": 1, "speculative_best_of_n_tail_batch": 4}
+    sampling = SamplingParams(max_new_tokens=3, temperature=0.7, seed=0)
+    run_case(Case("qwen3", config, 0, [Call([[0]], 1, sampling)]))
+
+
+def test_siblings_readmitted_after_their_prompt_was_prefilled_again():
+    config = {**BASE, "block_size": 2, "scheduler": "sjf", "history_fallback": "siblings+prefix"}
+    sampling = SamplingParams(max_new_tokens=20, temperature=0.0)
+    run_case(Case("qwen3", config, 0, [Call([[0], [0], [0, 0]], 3, sampling)]))
+
+
+def test_one_token_chunks_keep_log_probs_and_tokens():
+    for max_new in (7, 5):
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=0.7, seed=0)
+        run_case(Case("qwen3", {**BASE, "chunk_tokens": 1}, 0, [Call([[0], [0], [0, 0]], 1, sampling)]))
+
+
+def test_an_interrupted_call_holds_no_block():
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+    run_case(Case("qwen3", BASE, 0, [Call([[0]], 1, sampling, fault_at=1)]))

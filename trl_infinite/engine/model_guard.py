@@ -1,0 +1,52 @@
+"""One caller at a time per model: what the engine changes on a model is changed by one thread only, and restored.
+
+While it runs, the engine switches the model's attention implementation to the paged one and puts the model in
+eval mode; both are restored on exit (also on error or `KeyboardInterrupt`), each by the context manager that set
+it. Two threads doing that on one model at once would each save the other's temporary state and "restore" it, and
+would share the KV pool, the decode rows and the scheduler's tables. `model_guard(model)` serialises every engine
+call on a model (all engines built on it): a second thread waits until the first call returns. A call made from
+inside a running call on the same thread (e.g. from an `on_sample_finished` callback) is refused with a
+`RuntimeError`: waiting would deadlock, and running it would corrupt the running call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from weakref import WeakKeyDictionary
+
+import torch
+
+_registry_lock = threading.Lock()
+_locks: WeakKeyDictionary[torch.nn.Module, _ModelLock] = WeakKeyDictionary()
+
+
+class _ModelLock:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.owner: int | None = None  # thread id of the running call
+
+
+def _lock_of(model: torch.nn.Module) -> _ModelLock:
+    with _registry_lock:
+        found = _locks.get(model)
+        if found is None:
+            found = _locks[model] = _ModelLock()
+        return found
+
+
+@contextmanager
+def model_guard(model: torch.nn.Module, what: str = "RolloutEngine.generate") -> Iterator[None]:
+    """Hold the model for one engine call (see the module docstring)."""
+    state = _lock_of(model)
+    if state.owner == threading.get_ident():
+        raise RuntimeError(f"{what} was called while another rollout engine call on the same model is running on this "
+                           "thread (e.g. from an `on_sample_finished` callback); one engine call per model at a time.")
+    state.lock.acquire()
+    state.owner = threading.get_ident()
+    try:
+        yield
+    finally:
+        state.owner = None
+        state.lock.release()
