@@ -19,6 +19,7 @@ import torch
 
 from .attention import decode_metadata
 from .compiled_step import CompiledStep
+from .cuda_graphs import graph_runtime
 from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
 from .outputs import RolloutStats
@@ -74,7 +75,9 @@ class StaticDecoder:
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.pool.block_size
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        # CUDA graphs on CUDA; off CUDA, the CPU stand-in while `graph_emulation.emulate_cuda_graphs` is active
+        self.graph_runtime = graph_runtime(self.device) if cuda_graphs else None
+        self.use_graphs = self.graph_runtime is not None
         # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
         # in use
         self.full_tables = not runner.backend.gathers_columns
@@ -88,7 +91,6 @@ class StaticDecoder:
         self.want_hidden = False
         self.seed = torch.zeros((), dtype=torch.long, device=self.device)
         self.graphs: dict[tuple, _Captured] = {}
-        self.graph_pool = None
         self.graph_bytes = 0
         self._host: torch.Tensor | None = None  # pinned read-back buffer (CUDA)
         self._fingerprint: tuple = ()
@@ -237,18 +239,12 @@ class StaticDecoder:
 
     def _capture(self, args) -> _Captured:
         """Warm up on a side stream (Triton JIT, cuBLAS workspaces, compilation), then capture one step into the
-        shared graph memory pool; the pool's growth is counted in `graph_bytes`."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_reserved(self.device)
-        with self.runner.routed(), torch.cuda.graph(graph, pool=self.graph_pool):
-            outputs = self._step(*args) if self._compiled is None else self._compiled.compiled(*args)
-        if self.graph_pool is None:
-            self.graph_pool = graph.pool()
-        self.graph_bytes += torch.cuda.memory_reserved(self.device) - before
+        shared graph memory pool; the pool's size is `graph_bytes`."""
+        rt = self.graph_runtime
+        for _ in range(2):
+            rt.warmup(lambda: self._run(args))
+        with self.runner.routed():
+            graph, outputs = rt.capture(lambda: self._step(*args) if self._compiled is None
+                                        else self._compiled.compiled(*args))
+        self.graph_bytes = rt.pool_memory().reserved
         return _Captured(graph, outputs)
