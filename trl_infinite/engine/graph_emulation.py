@@ -122,11 +122,10 @@ class _Recorder(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         self._save_outside_writes(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func.is_view or func in _SKIP_ON_REPLAY:
-            node = None
-        else:
-            node = _Node(func, args, kwargs, out)
         in_storages = {_storage(t) for t in inputs}
+        # a view (`to`, `reshape`, ... only when they return an alias of their input) or a bare allocation: no node
+        aliased = func.is_view and all(_storage(t) in in_storages for t in _tensors(out))
+        node = None if aliased or func in _SKIP_ON_REPLAY else _Node(func, args, kwargs, out)
         for t in _tensors(out):
             s = _storage(t)
             if s not in in_storages and s not in self.pool:
