@@ -238,13 +238,34 @@ class StaticDecoder:
         return captured.outputs
 
     def _capture(self, args) -> _Captured:
-        """Warm up on a side stream (Triton JIT, cuBLAS workspaces, compilation), then capture one step into the
-        shared graph memory pool; the pool's size is `graph_bytes`."""
+        """Warm up (Triton JIT and autotuning, cuBLAS workspaces, compilation) without touching the live rows, then
+        capture one step into the runtime's shared pool; the pool's size is `graph_bytes`."""
         rt = self.graph_runtime
-        for _ in range(2):
-            rt.warmup(lambda: self._run(args))
+        self._warm_up(args)
         with self.runner.routed():
             graph, outputs = rt.capture(lambda: self._step(*args) if self._compiled is None
                                         else self._compiled.compiled(*args))
         self.graph_bytes = rt.pool_memory().reserved
         return _Captured(graph, outputs)
+
+    def _warm_up(self, args) -> None:
+        """Run the step twice for real, free of side effects: on copies of what it advances (input tokens and
+        positions, seen marks; each run its own copies, same strides), and with the KV pool slots it writes (each
+        row's current position) saved before and put back after. The live rows and the pool are left exactly as
+        they were, so the replay that follows the capture is the rows' real next step."""
+        inputs, prompt_len, group, seen = args[0], args[1], args[2], args[6]
+        meta = decode_metadata(inputs[1], prompt_len, args[4], args[5], group, self.block_size)
+        slots = meta.slot_mapping  # [N]
+        pool = self.runner.pool
+        saved = [(k[slots], v[slots]) for k, v in zip(pool.k_caches, pool.v_caches)]
+        for _ in range(2):
+            warm = (_copy(inputs), *args[1:6], None if seen is None else _copy(seen), *args[7:])
+            self.graph_runtime.warmup(lambda warm=warm: self._run(warm))
+        for (k, v), (sk, sv) in zip(zip(pool.k_caches, pool.v_caches), saved):
+            k.index_copy_(0, slots, sk)
+            v.index_copy_(0, slots, sv)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` with the same sizes and strides (a compiled step sees the same layout)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
