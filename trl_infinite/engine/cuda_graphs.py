@@ -34,8 +34,9 @@ class CaptureError(RuntimeError):
         self.kind = kind
 
 
-# CUDA's own messages for work a stream capture does not permit (host syncs, pageable copies, ...)
-_CUDA_CAPTURE_MESSAGES = ("capturing", "stream capture", "StreamCapture", "cudaErrorStreamCapture")
+# CUDA's own messages for work a stream capture does not permit (host syncs, pageable copies, ...) and for a capture
+# invalidated by such work
+_CUDA_CAPTURE_MESSAGES = ("stream is capturing", "cudaErrorStreamCapture", "during capture", "capture failed")
 
 
 def is_capture_error(err: BaseException) -> bool:

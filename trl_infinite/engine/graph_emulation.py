@@ -20,8 +20,9 @@
                    fails for MoE models in fp32);
   `dynamic_shape`  ops whose output shape depends on data (`nonzero`, `masked_select`, `unique`, boolean-mask
                    indexing, `repeat_interleave` without `output_size`): a graph's shapes are fixed at capture;
-  `host_upload`    a tensor built from host data inside the capture (`torch.tensor(...)`): on CUDA a pageable
-                   copy (not permitted while capturing), and its value would be frozen;
+  `host_upload`    a tensor built from host data inside the capture (`torch.tensor([...])`): on CUDA a pageable
+                   copy (not permitted while capturing), and its value would be frozen (a 0-dim one, as in
+                   `x[i] = 0`, is a host scalar: a constant of the recorded op, allowed);
   `host_alloc`     pinned host memory allocated inside the capture;
   `untracked_output` a step output no recorded op produced (a kernel called outside the dispatcher, e.g.
                    inductor's C++ wrapper: replaying would skip it).
@@ -82,8 +83,9 @@ class EmulatedGraph:
     """A recorded step (see the module docstring); `replay()` re-runs it on the recorded buffers."""
 
     def __init__(self, emulator: GraphEmulator, nodes: list[_Node], external: list[tuple[torch.Tensor, int]],
-                 pool: dict[int, int]):
+                 pool: dict[int, int], inference: bool):
         self.emulator = emulator
+        self.inference = inference  # captured in inference mode: its tensors are inference tensors
         self.nodes = nodes
         self.external = external  # (tensor read from outside the graph, its data_ptr at capture)
         self.pool = pool  # storage data_ptr -> bytes, of the tensors the graph allocated
@@ -95,7 +97,7 @@ class EmulatedGraph:
             raise CaptureError("moved_storage", f"{len(moved)} tensors the graph reads (e.g. one of shape "
                                f"{tuple(moved[0].shape)}) moved to new storage since the capture: recapture")
         self.emulator.counts["replays"] += 1
-        with torch.inference_mode(torch.is_inference_mode_enabled()):
+        with torch.inference_mode(self.inference):
             for node in self.nodes:
                 node.run()
 
@@ -141,9 +143,9 @@ class _Recorder(TorchDispatchMode):
         name = str(func)
         if func in _HOST_SYNC_OPS or torch.Tag.data_dependent_output in func.tags:
             raise self.refuse("host_sync", f"{name} reads device data on the host")
-        if func in _UPLOAD_OPS:
+        if func in _UPLOAD_OPS and args[0].dim() > 0:  # a 0-dim one is a host scalar (`x[i] = 0`): a constant
             raise self.refuse("host_upload", "a tensor is built from host data inside the capture "
-                              "(`torch.tensor(...)`): build it once outside the step")
+                              "(`torch.tensor([...])`): build it once outside the step")
         if kwargs.get("pin_memory") or func is aten._pin_memory.default:
             raise self.refuse("host_alloc", f"{name} allocates pinned host memory inside the capture")
         if func is aten._grouped_mm.default and any(
@@ -183,9 +185,8 @@ class _Recorder(TorchDispatchMode):
         self.nodes.append(_Node(run, args, kwargs, None, kernel=True))
 
     def restore(self) -> None:
-        with torch.inference_mode(torch.is_inference_mode_enabled()):
-            for t, before in reversed(self.saved):
-                t.copy_(before)
+        for t, before in reversed(self.saved):
+            t.copy_(before)
         self.saved.clear()
 
 
@@ -215,7 +216,8 @@ class GraphEmulator:
         finally:
             self._recording = None
             recorder.restore()
-        graph = EmulatedGraph(self, recorder.nodes, list(recorder.external.values()), recorder.pool)
+        graph = EmulatedGraph(self, recorder.nodes, list(recorder.external.values()), recorder.pool,
+                              torch.is_inference_mode_enabled())
         self._graphs.append(graph)
         self.counts["captures"] += 1
         return graph, out
