@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import decode_metadata
+from .attention import triton_tiles as tiles
 from .compiled_step import CompiledStep
 from .cuda_graphs import PoolMemory, graph_runtime
 from .decode_rows import DecodeRows
@@ -43,12 +44,17 @@ def bucket_sizes(capacity: int) -> list[int]:
 
 def static_step_bytes(model_config, rows: int) -> int:
     """Upper estimate of what one static decode step at `rows` rows allocates: the logits and the sampler's copies
-    of them ([rows, V] in float32 / float64, about six) and the per-layer temporaries. CUDA graphs share one private
-    memory pool, so this is the graphs' memory (reserved from a `kv_cache_fraction` budget; the measured figure is
-    `RolloutStats.extra["cuda_graph_bytes"]`)."""
+    of them ([rows, V] in float32 / float64, about six), the per-layer temporaries, and the split partial outputs of
+    the Triton attention kernels (fp32, `triton_tiles`: the prompt's capped, the own tokens' at most 16 splits).
+    CUDA graphs share one private memory pool, so this is the graphs' memory (reserved from a `kv_cache_fraction`
+    budget; the measured figure is `RolloutStats.extra["cuda_graph_bytes"]`)."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     width = cfg.hidden_size * 8 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 3
-    return rows * (cfg.vocab_size * 4 * 6 + width * 4 * 2)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_split = rows * heads * head_dim * 4
+    partials = min(tiles.MAX_PARTIAL_BYTES, per_split * tiles.MAX_PREFIX_SPLITS) + per_split * tiles.MAX_SUFFIX_SPLITS
+    return rows * (cfg.vocab_size * 4 * 6 + width * 4 * 2) + partials
 
 
 def _pow2_at_least(n: int, cap: int) -> int:
