@@ -12,8 +12,11 @@ the batch. This script counts them on the CPU, on random weights at a model's re
   them, from `torch.profiler` inside the same step (`torch._inductor.config.cpp.enable_kernel_profile`). Inductor
   fuses for the CPU here, not for CUDA: a proxy of its GPU fusion, not its kernel list.
 
-Per layer = (count at L2 layers - count at L1) / (L2 - L1); the rest of the step (embedding, final norm, LM head,
-sampler, metadata) = count at L1 - L1 x per layer; `at N layers` = rest + N x per layer (N: the config's depth).
+Per layer = (count at L2 layers - count at L1) / (L2 - L1); the rest of the step function (embedding, final norm,
+LM head, sampler, metadata) = its count at L1 - L1 x per layer; `outside` = the step's kernels outside the step
+function (`StaticDecoder._run`, what a CUDA graph captures): launched one by one from the host on every step even
+with graphs on (uploads of joining rows, table copies, read-back); `at N layers` = rest + outside + N x per layer
+(N: the config's depth). Counts are means over the call's decode steps (the first step uploads every row).
 
     python benchmarks/launch_count.py --config qwen3-1.7b --layers 1 2 --rows 32 --modes eager compiled \
         --backend torch triton
@@ -65,11 +68,14 @@ def parse_args(argv=None):
 
 
 class _Count(TorchDispatchMode):
-    """Operators that launch a kernel on a GPU: not views (an output sharing its input's storage), not allocations."""
+    """Operators that launch a kernel on a GPU: not views (an output sharing its input's storage), not allocations.
+    Those inside the step function go to `ops`, the others to `outside`."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
+        self.outside: Counter = Counter()
+        self.inside = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -80,7 +86,7 @@ class _Count(TorchDispatchMode):
             outs = out if isinstance(out, (tuple, list)) else [out]
             if all(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ins for t in outs):
                 return out
-        self.ops[str(func.overloadpacket)] += 1
+        (self.ops if self.inside else self.outside)[str(func.overloadpacket)] += 1
         return out
 
 
@@ -93,7 +99,7 @@ def _count_triton(counter: _Count):
     original = InterpretedFunction.run
 
     def run(fn, *args, **kwargs):
-        counter.ops[f"triton:{fn.fn.__name__}"] += 1
+        (counter.ops if counter.inside else counter.outside)[f"triton:{fn.fn.__name__}"] += 1
         with _disable_current_modes():
             return original(fn, *args, **kwargs)
 
@@ -113,8 +119,8 @@ def _model(name: str, layers: int, device):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), config
 
 
-def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[float, Counter]:
-    """Mean kernels per decode step (and the per-operator counts) of one engine call."""
+def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[float, float, Counter]:
+    """Mean kernels per decode step inside and outside the step function, and the per-operator counts inside."""
     if mode == "compiled":
         import torch._inductor.config as inductor_config
 
@@ -132,7 +138,7 @@ def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[floa
         return engine.generate([prompt.tolist()], n, sampling, forced_lengths=[[new] * n]).stats
 
     run()  # warm-up (and compilation)
-    original = StaticDecoder.launch
+    original, original_run = StaticDecoder.launch, StaticDecoder._run
     steps = [0]
     if mode == "eager":
         counter = _Count()
@@ -144,14 +150,21 @@ def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[floa
                 finish = original(self, batch, stats)
                 return _finish_counted(finish, counter)
 
-        StaticDecoder.launch = launch
+        def step_fn(self, *a, **k):
+            counter.inside = True
+            try:
+                return original_run(self, *a, **k)
+            finally:
+                counter.inside = False
+
+        StaticDecoder.launch, StaticDecoder._run = launch, step_fn
         try:
             run()
         finally:
-            StaticDecoder.launch = original
+            StaticDecoder.launch, StaticDecoder._run = original, original_run
             if restore:
                 restore()
-        return sum(counter.ops.values()) / steps[0], counter.ops
+        return sum(counter.ops.values()) / steps[0], sum(counter.outside.values()) / steps[0], counter.ops
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def launch(self, batch, stats):
@@ -160,17 +173,22 @@ def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[floa
             finish = original(self, batch, stats)
             return finish
 
-    StaticDecoder.launch = launch
+    def step_fn(self, *a, **k):
+        with record_function("step_fn"):
+            return original_run(self, *a, **k)
+
+    StaticDecoder.launch, StaticDecoder._run = launch, step_fn
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
     finally:
-        StaticDecoder.launch = original
+        StaticDecoder.launch, StaticDecoder._run = original, original_run
     ops: Counter = Counter()
+    outside: Counter = Counter()
     for event in prof.events():
         if event.name == "decode_step":
-            _walk(event, ops)
-    return sum(ops.values()) / steps[0], ops
+            _walk(event, outside, ops)
+    return sum(ops.values()) / steps[0], sum(outside.values()) / steps[0], ops
 
 
 def _finish_counted(finish, counter):
@@ -180,14 +198,16 @@ def _finish_counted(finish, counter):
     return done
 
 
-def _walk(event, ops: Counter) -> int:
+def _walk(event, ops: Counter, inner_ops: Counter | None = None) -> int:
     """Kernels under a profiler range: inductor's C++ kernels (`cpp_fused_*`), the library calls its code makes
     (`aoti_torch_*`: GEMMs, cumsum, ...), and operators that call no other kernel (the leaves); views and
-    allocations count none."""
+    allocations count none. Those under a `step_fn` range go to `inner_ops` (when given)."""
     found = 0
     for child in event.cpu_children:
         name = child.name
-        if "cpp_fused" in name:
+        if name == "step_fn" and inner_ops is not None:
+            found += _walk(child, inner_ops)
+        elif "cpp_fused" in name:
             ops["inductor:cpp_fused"] += 1
             found += 1
         elif name.startswith("aoti_torch_"):
@@ -210,21 +230,23 @@ def main(argv=None) -> None:
     device = pick_device(args.device)
     depth = model_config(args.config).num_hidden_layers
     l1, l2 = args.layers
-    table = Table(["mode", "backend", "per_layer", "rest_of_step", f"step_at_{depth}_layers", "top_ops_per_layer"])
+    table = Table(["mode", "backend", "per_layer", "rest_of_step_fn", "outside_step_fn", f"step_at_{depth}_layers",
+                   "top_ops_per_layer"])
     rows = []
     for mode in args.modes:
         for backend in args.backend:
             if mode == "compiled" and backend == "triton":
                 continue  # inductor's CPU code cannot call Triton kernels
-            c1, ops1 = count_step(args, l1, mode, backend, device)
-            c2, ops2 = count_step(args, l2, mode, backend, device)
+            c1, out1, ops1 = count_step(args, l1, mode, backend, device)
+            c2, out2, ops2 = count_step(args, l2, mode, backend, device)
             per_layer = (c2 - c1) / (l2 - l1)
             rest = c1 - l1 * per_layer
+            outside = (out1 + out2) / 2
             diff = Counter({k: (ops2[k] - ops1[k]) for k in ops2})
             steps = args.new_tokens - 1
             top = ", ".join(f"{k.split('.')[-1]} {v / steps / (l2 - l1):.0f}" for k, v in diff.most_common(8) if v > 0)
-            row = dict(mode=mode, backend=backend, per_layer=per_layer, rest_of_step=rest,
-                       **{f"step_at_{depth}_layers": rest + depth * per_layer}, top_ops_per_layer=top)
+            row = dict(mode=mode, backend=backend, per_layer=per_layer, rest_of_step_fn=rest, outside_step_fn=outside,
+                       **{f"step_at_{depth}_layers": rest + outside + depth * per_layer}, top_ops_per_layer=top)
             table.add(**row)
             rows.append(row)
     header = run_header(device, "python benchmarks/launch_count.py " + " ".join(argv or sys.argv[1:]))
