@@ -106,8 +106,8 @@ def _tuned(kernel, candidates: tuple[tiles.Tiles, ...]):
     """`kernel` autotuned over `candidates` (keyed on the constexprs that shape the work; dtypes are in the key)."""
     configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps,
                              num_stages=t.num_stages) for t in candidates]
-    key = ["HEAD_DIM_K", "HEAD_DIM_V", "GQA", "NUM_HEADS", "KV_SPLITS", "PREFIX_SPLITS", "SPLITS", "SOFTCAP",
-           "HAS_WINDOW", "HAS_CHUNK", "HAS_SINKS", "CAST", "PRECISION"]
+    key = ["row_class", "HEAD_DIM_K", "HEAD_DIM_V", "GQA", "NUM_HEADS", "KV_SPLITS", "PREFIX_SPLITS", "SPLITS",
+           "SOFTCAP", "HAS_WINDOW", "HAS_CHUNK", "HAS_SINKS", "CAST", "PRECISION"]
     return triton.autotune(configs=configs, key=key)(kernel)
 
 
@@ -158,7 +158,7 @@ def cascade_decode_attention(
                   CAST=cast, SOFTCAP=layer.softcap is not None, HAS_WINDOW=bool(layer.sliding_window),
                   HAS_CHUNK=bool(layer.chunk_size))
     features = (float(layer.scale), float(layer.softcap or 0.0), int(layer.sliding_window or 0),
-                int(layer.chunk_size or 0))
+                int(layer.chunk_size or 0), tiles.row_class(num_seg))
     kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     f32 = dict(dtype=torch.float32, device=device)
     prompt_capacity = meta.prefix_table.shape[1] * meta.block_size

@@ -29,6 +29,9 @@ The dot products run in the dtype CAST selects: 0 the pool's (bf16 / fp16 use te
 'ieee' or 'tf32'), 1 bf16, 2 fp16 (the autocast dtype, for an fp32 pool under autocast: tensor cores, and the
 rounding the model's own matmuls have), 3 fp32 'ieee' (Triton's CPU interpreter computes bf16 dots wrongly).
 
+`row_class` (the batch's size class, `triton_tiles.row_class`) is not read by the kernels: it is part of the
+autotuner's key, so a configuration timed at one row is not reused at 256.
+
 Layer features (`LayerAttention`): keys and values may have different widths (HEAD_DIM_K, HEAD_DIM_V: MLA); a
 sliding window / chunk gives each query a lowest visible position `lo` (`layer.first_visible`), so keys below it are
 masked and whole tiles below it skipped; attention sinks seed split 0 of the prefix with one extra logit per head and
@@ -130,7 +133,7 @@ def _prefix_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sinks_ptr,
     order_ptr, run_len_ptr, q_start_ptr, q_pos_ptr, prompt_lens_ptr, prefix_table_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-    scale, softcap, window, chunk,
+    scale, softcap, window, chunk, row_class,
     HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, DK_CHUNKS: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, NUM_HEADS: tl.constexpr, GQA: tl.constexpr, PAGE: tl.constexpr,
     KV_SPLITS: tl.constexpr, PRECISION: tl.constexpr, CAST: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -198,7 +201,7 @@ def _suffix_kernel(
     q_ptr, k_ptr, v_ptr, pre_o_ptr, pre_lse_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     q_start_ptr, q_pos_ptr, prompt_lens_ptr, suffix_table_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_outt, stride_outh, stride_st,
-    scale, softcap, window, chunk,
+    scale, softcap, window, chunk, row_class,
     HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, DK_CHUNKS: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, NUM_HEADS: tl.constexpr, GQA: tl.constexpr, PAGE: tl.constexpr,
     HEAD_TILES: tl.constexpr, PREFIX_SPLITS: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,

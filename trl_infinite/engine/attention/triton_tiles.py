@@ -79,6 +79,11 @@ def suffix_tiles(gqa: int, head_dim_k: int, head_dim_v: int) -> list[Tiles]:
     return [Tiles(block_m, 32, 4, 2), Tiles(block_m, 64, 4, 2), Tiles(block_m, 16, 4, 3)]
 
 
+def row_class(num_seg: int) -> int:
+    """Size class of a decode batch for the autotuner's key: 0 up to 8 rows, 1 up to 64, 2 beyond."""
+    return 0 if num_seg <= 8 else 1 if num_seg <= 64 else 2
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
