@@ -142,7 +142,8 @@ part1() {
     local xdist=()
     if [ $DRY = 0 ] && "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
     bench kernels "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" "${PYTEST_ARGS[@]}" \
-        tests/engine/test_triton_attention.py tests/engine/test_static_decode.py tests/engine/test_cuda_graphs_gpu.py
+        tests/engine/test_triton_attention.py tests/engine/test_static_decode.py tests/engine/test_cuda_graphs_gpu.py \
+        tests/engine/test_triton_compile.py
     bench decode_step "${LIMITS[1]}" "$PY" benchmarks/decode_step.py --model "$MODEL" "${STEP_ARGS[@]}" \
         --json "$OUT/decode_step.json"
     bench attention "${LIMITS[2]}" "$PY" benchmarks/attention_bench.py "${ATTN_ARGS[@]}" --json "$OUT/attention.json"

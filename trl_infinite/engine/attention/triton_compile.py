@@ -69,13 +69,23 @@ def _bin(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton itself uses for `arch` (its knob; the wheel's bin/ptxas on Triton versions without it)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path
+    except (ImportError, TypeError, AttributeError):
+        return _bin("ptxas")
+
+
 def _ptxas_report(ptx: str, arch: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
         sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        done = subprocess.run([_bin("ptxas-blackwell"), f"-arch={sm}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+        done = subprocess.run([_ptxas(arch), f"-arch={sm}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True, check=True)
     text = done.stdout + done.stderr
     used = re.search(r"Used (\d+) registers", text)
