@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         t = r.tiles
         problems = r.problems()
         bad += bool(problems)
-        dims = "576/512 (MLA)" if name == "mla" else f"{r.head_dims[0]}/{r.head_dims[1]}"
+        dims = "576/512 (MLA)" if name == "mla" else f"{r.head_dims[0] or '(V)'}/{r.head_dims[1]}"
         print(f"| sm_{r.arch} | {r.dtype} | {dims} | {r.kernel.strip('_')} | "
               f"{f'{t.block_m} x {t.block_n}' if t else '-'} | {t.num_warps if t else 4} | {t.num_stages if t else '-'} | "
               f"{r.registers} | {r.spill_stores}/{r.spill_loads} | {r.stack} | {r.shared / 1024:.1f} | "
