@@ -7,7 +7,10 @@
 # benchmarks/prepare_gpu_wheels.sh) into /tmp/site, prints versions and nvidia-smi, then runs the part's tables, each
 # under its own time limit, writing OUTDIR/NAME.json + OUTDIR/NAME.md per table and OUTDIR/partN.log (everything
 # printed). A table that fails or runs out of time is reported in the summary and the next one still runs; its JSON
-# keeps the rows measured so far.
+# keeps the rows measured so far. Failing loudly: the script exits 1 when any table of any part failed, timed out or
+# was skipped for lack of time (the summary says which, on stderr too), and stops a part at once when its setup
+# fails (set -e). Each part runs under PART_BUDGET seconds (530, under 9 minutes, setup included): a table's limit is
+# cut to what is left, and a table with less than 30 s left is skipped (a failure).
 #
 #   part 1: kernels vs the torch reference (pytest on CUDA), decode step time vs the roofline, attention microbench
 #   part 2: throughput, G=32, 1 and 8 prompts: TRL generate, TRL + continuous batching, engine (graphs on / off)
@@ -18,7 +21,8 @@
 # Lengths: a GSM8K length trace if .bench/gsm8k_trace.jsonl exists (carry .bench), else log-normal (mean 256,
 # sigma 0.6), clipped to 1024 new tokens; the same prompts and lengths on every path.
 # Estimated GPU time (H100; see benchmarks/README.md "GPU suite"): part 1 ~3 min, part 2 ~3.5 min, part 3 ~4 min.
-set -uo pipefail
+# PYTHON (default python3) runs every command (the tests plant failures through it).
+set -euo pipefail
 
 usage() { echo "usage: $0 OUTDIR [--part 1|2|3|all] [--dry-run] [--plan]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
@@ -50,7 +54,7 @@ if [ $DRY = 0 ]; then
     ATTN_ARGS=(--iters 50)
     SPEC_ARGS=(--kv-cache-tokens 40000)
     PYTEST_ARGS=(--durations=15)
-    LIMITS=(240 180 90 240 300 150 200 200)
+    LIMITS=(200 180 90 220 260 130 160 190)
 else
     MODEL=tiny; MAXNEW=16; PROMPT=8; G=4; SLOTS=4; MANY=2
     LENGTHS=(--mean 8 --sigma 0.6)
@@ -63,20 +67,28 @@ else
     LIMITS=(300 300 300 300 300 300 300 300)
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
 fi
-[ -f "$TRACE" ] && LENGTHS=(--trace "$TRACE")
+if [ -f "$TRACE" ]; then LENGTHS=(--trace "$TRACE"); fi
+PART_BUDGET=${PART_BUDGET:-530}
 
 # ------------------------------------------------------------------------------------------------------- runner
 SUMMARY=()
-bench() {  # bench NAME LIMIT_S COMMAND...: run with a time limit, log, keep going on failure
+FAILED=0
+bench() {  # bench NAME LIMIT_S COMMAND...: run with a time limit (cut to the part's budget), log, keep going on failure
     local name=$1 limit=$2; shift 2
     if [ $PLAN = 1 ]; then printf 'PLAN %s' "$CURRENT"; printf ' %q' "$@"; printf '\n'; return 0; fi
+    local left=$((PART_BUDGET - (SECONDS - PART_START) - 20))
+    if [ "$left" -lt 30 ]; then
+        SUMMARY+=("$(printf '%-16s %-28s %4ss' "$name" "SKIPPED (part budget spent)" 0)")
+        FAILED=$((FAILED + 1))
+        return 0
+    fi
+    if [ "$limit" -gt "$left" ]; then limit=$left; fi
     echo; echo "=== $name (limit ${limit}s): $*"
-    local t0=$SECONDS
-    timeout -k 15 "$limit" "$@"
-    local rc=$?
+    local t0=$SECONDS rc=0
+    timeout -k 15 "$limit" "$@" || rc=$?
     local status=ok
-    [ $rc = 0 ] || status="FAILED rc=$rc"
-    [ $rc = 124 ] && status="TIMED OUT after ${limit}s"
+    if [ $rc != 0 ]; then status="FAILED rc=$rc"; FAILED=$((FAILED + 1)); fi
+    if [ $rc = 124 ] || [ $rc = 137 ]; then status="TIMED OUT after ${limit}s"; fi
     SUMMARY+=("$(printf '%-16s %-28s %4ss' "$name" "$status" $((SECONDS - t0)))")
 }
 
@@ -88,42 +100,48 @@ setup() {
     if [ $DRY = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
         if [ ! -f /tmp/site/.installed ] || ! cmp -s <(ls .whl/*.whl) /tmp/site/.installed; then
             "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-                .whl/*.whl || { echo "wheel install failed"; exit 1; }
+                .whl/*.whl || { echo "wheel install failed" >&2; exit 1; }
             ls .whl/*.whl > /tmp/site/.installed
         fi
         export PYTHONPATH=/tmp/site:$ROOT
     else
         export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
     fi
-    [ -f .whl/COMMIT ] && echo "commit (from .whl/COMMIT): $(cat .whl/COMMIT)"
+    if [ -f .whl/COMMIT ]; then echo "commit (from .whl/COMMIT): $(cat .whl/COMMIT)"; fi
     "$PY" - <<'EOF'
 import importlib, platform, torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
-for name in ("triton", "transformers", "trl", "datasets", "accelerate", "peft", "pyarrow", "fsspec", "numpy"):
+for name in ("triton", "transformers", "trl", "datasets", "accelerate", "peft", "pyarrow", "fsspec", "numpy", "pytest"):
     try:
         module = importlib.import_module(name)
         print(f"{name} {getattr(module, '__version__', '?')} ({module.__file__})")
-    except Exception as e:  # report and go on: the tables that need it fail on their own
+    except Exception as e:  # report and go on: the tables that need it fail on their own (and fail the suite)
         print(f"{name}: NOT IMPORTABLE ({type(e).__name__}: {e})")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"GPU {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, capability {p.major}.{p.minor}")
 EOF
-    command -v nvidia-smi >/dev/null && nvidia-smi
+    if command -v nvidia-smi >/dev/null; then nvidia-smi || true; fi
 }
 
-finish() {
+finish() {  # the part's summary; returns 1 if any of its tables failed
     echo; echo "=== summary of part $1 ($((SECONDS - PART_START)) s in all)"
     printf '%s\n' "${SUMMARY[@]}"
-    ls -la "$OUT"
+    ls -la "$OUT" || true
+    if [ $FAILED -gt 0 ]; then
+        echo "=== gpu_suite part $1: $FAILED of ${#SUMMARY[@]} tables FAILED" >&2
+        return 1
+    fi
+    echo "=== gpu_suite part $1: all ${#SUMMARY[@]} tables ok"
 }
 
 # -------------------------------------------------------------------------------------------------------- parts
 part1() {
     local xdist=()
-    [ $DRY = 0 ] && "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+    if [ $DRY = 0 ] && "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
     bench kernels "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" "${PYTEST_ARGS[@]}" \
-        tests/engine/test_triton_attention.py tests/engine/test_static_decode.py
+        tests/engine/test_triton_attention.py tests/engine/test_static_decode.py tests/engine/test_cuda_graphs_gpu.py \
+        tests/engine/test_triton_compile.py
     bench decode_step "${LIMITS[1]}" "$PY" benchmarks/decode_step.py --model "$MODEL" "${STEP_ARGS[@]}" \
         --json "$OUT/decode_step.json"
     bench attention "${LIMITS[2]}" "$PY" benchmarks/attention_bench.py "${ATTN_ARGS[@]}" --json "$OUT/attention.json"
@@ -151,9 +169,15 @@ part3() {
         --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" "${CB[@]}" --steps 2 --json "$OUT/grpo_step.json"
 }
 
+STATUS=0
 for p in 1 2 3; do
     [ "$PART" = all ] || [ "$PART" = $p ] || continue
     CURRENT=$p
     if [ $PLAN = 1 ]; then "part$p"; continue; fi
-    ( setup $p; "part$p"; finish $p )
+    set +e
+    ( set -e; setup $p; "part$p"; finish $p )
+    rc=$?
+    set -e
+    if [ $rc != 0 ]; then echo "gpu_suite: part $p FAILED (exit $rc)" >&2; STATUS=1; fi
 done
+exit $STATUS

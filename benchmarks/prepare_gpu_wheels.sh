@@ -10,6 +10,9 @@
 #   trl 1.16.0           TRL's GRPOConfig / GRPOTrainer / pad (rollout_bench's TRL paths, grpo_step)
 #   datasets 5.2.0       imported by trl's trainers and by grpo_step (Dataset.from_dict)
 #   dill, multiprocess   datasets' own dependencies that the image lacks
+#   pytest 9.0.3         part 1's correctness checks on the GPU (kernels vs the torch reference, CUDA graphs on vs
+#   pluggy, iniconfig,   off): without pytest that table fails, and the suite with it; pytest's own dependencies
+#   pygments             (packaging is in the image: transformers needs it)
 #   transformers 5.23.0  the version CI and every CPU test run on. The image's 5.17 also runs the suite's paths
 #                        (checked on CPU: the greedy, static-decode, step-hook and trainer tests pass and the three
 #                        rollout paths run), but 2 model-support tests differ there (gemma2 soft-capping, hy_v4)
@@ -29,7 +32,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
+        pygments==2.20.0)
 if [ $PYARROW = 1 ]; then WHEELS+=(pyarrow==26.0.1); rm -f .whl/transformers-*.whl
 else WHEELS+=(transformers==5.23.0); rm -f .whl/pyarrow-*.whl; fi
 

@@ -113,11 +113,13 @@ def bench_engine(model, workload, args, device, table, base, mode, scheduler, gr
     st = result.stats
     pool = engine.pool.num_blocks * engine.pool.block_bytes
     kv_per_token = engine.pool.block_bytes // engine.pool.block_size
+    # the CUDA graphs' private pool: replays use it without allocating, so max_memory_allocated misses its free part
+    peak = m.peak_bytes + engine.decoder.graph_memory().unaccounted if m.peak_bytes else None
     # peak_used: the CUDA peak with the pool's never-used blocks taken out (what a pool of exactly the used size gives)
-    used = (m.peak_bytes - pool + st.peak_kv_bytes) / GB if m.peak_bytes else None
+    used = (peak - pool + st.peak_kv_bytes) / GB if peak else None
     table.add(**base, path="engine", mode=mode, scheduler=scheduler, graphs=graphs if device.type == "cuda" else "-",
               tokens=st.generated_tokens, seconds=m.seconds,
-              **{"tok/s": st.generated_tokens / m.seconds}, peak_GB=m.peak_bytes / GB if m.peak_bytes else None,
+              **{"tok/s": st.generated_tokens / m.seconds}, peak_GB=peak / GB if peak else None,
               pool_GB=pool / GB, kv_peak_GB=st.peak_kv_bytes / GB, peak_used_GB=used, decode_steps=st.decode_steps,
               host_ms=st.host_ms_per_step, **_rename(roofline(times, wbytes, kv_per_token, hbm)))
 

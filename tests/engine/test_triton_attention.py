@@ -28,6 +28,7 @@ from trl_infinite.engine.attention import (  # noqa: E402
     with_context,
 )
 from trl_infinite.engine.attention import triton_backend as tb  # noqa: E402
+from trl_infinite.engine.attention import triton_tiles as tiles  # noqa: E402
 from trl_infinite.engine.config import EngineConfig, SamplingParams  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,8 +129,15 @@ def test_soft_cap_changes_the_output():
     assert (capped - plain).abs().max().item() > 1e-2
 
 
+def _small_tiles(monkeypatch, block_m: int = 16, block_n: int = 16) -> None:
+    """Tiles smaller than the defaults, so that the tiny test shapes span several row and KV tiles."""
+    monkeypatch.setattr(tiles, "prefix_tiles", lambda *a: [tiles.Tiles(block_m, block_n, 4, 2)])
+    monkeypatch.setattr(tiles, "suffix_tiles", lambda gqa, *a: [tiles.Tiles(tiles.suffix_rows(gqa, a[-1])[0],
+                                                                            block_n, 4, 2)])
+
+
 def test_large_group_spans_several_row_tiles(monkeypatch):
-    monkeypatch.setattr(tb, "BLOCK_M_PREFIX", 16)  # 11 samples x 2 heads = 22 rows -> 2 tiles, split programs
+    _small_tiles(monkeypatch)  # 11 samples x 2 heads = 22 rows -> 2 row tiles
     segs, n = _decode_segments([11, 2], [13, 6], seed=3)
     _compare(segs, n, 4, 2, 8, torch.float32)
 
@@ -138,19 +146,51 @@ def test_large_group_spans_several_row_tiles(monkeypatch):
 def test_split_k_suffix(monkeypatch, splits):
     # own contexts of 1..41 tokens in 16-token tiles over 2 or 4 splits: some splits get several tiles, some none
     monkeypatch.setattr(tb, "suffix_splits", lambda *args: splits)
-    monkeypatch.setattr(tb, "BLOCK_N", 16)
+    _small_tiles(monkeypatch)
     segs, n = _decode_segments([3, 2], [9, 21], seed=7)
     _compare(segs, n, 4, 2, 8, torch.float32)
     _compare(segs, n, 4, 2, 8, torch.bfloat16)
     _compare(segs, n, 4, 2, 8, torch.float32, sliding_window=19, sinks=SINKS[:4].to(DEVICE))
 
 
-def test_suffix_splits_heuristic():
+@pytest.mark.parametrize("kv_splits", [2, 4, 8])
+def test_split_kv_prefix(monkeypatch, kv_splits):
+    """Flash-decoding over the shared prompt: prompts of 1, 9, 37 and 70 tokens cut into 2, 4 or 8 spans of
+    16-token tiles (some spans empty), merged by log-sum-exp with the sink in span 0, under windows that end inside
+    the prompt; combined with split-K over the own tokens."""
+    monkeypatch.setattr(tb, "prefix_splits", lambda *args: kv_splits)
+    monkeypatch.setattr(tb, "suffix_splits", lambda *args: 2)
+    _small_tiles(monkeypatch)
+    segs, n = _decode_segments([3, 1, 4, 2], [9, 1, 37, 70], seed=kv_splits)
+    _compare(segs, n, 4, 2, 8, torch.float32)
+    _compare(segs, n, 4, 2, 8, torch.bfloat16, sinks=SINKS[:4].to(DEVICE))
+    _compare(segs, n, 4, 2, 8, torch.float32, sliding_window=23, softcap=1.5, sinks=SINKS[:4].to(DEVICE))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim", [(4, 2, 64, 64), (8, 2, 128, 128), (4, 1, 256, 256),
+                                                           (32, 1, 576, 512)], ids=["64", "128", "256", "mla"])
+def test_production_head_dims(monkeypatch, heads, kv_heads, head_dim, v_dim):
+    """The head widths of real models (and MLA's latent + rope keys, 576 = 9 chunks of 64, values 512, 32 query
+    heads on one KV head: 2 head tiles of 16) with prompt and own splits, against the torch reference."""
+    monkeypatch.setattr(tb, "prefix_splits", lambda *args: 2)
+    monkeypatch.setattr(tb, "suffix_splits", lambda *args: 2)
+    segs, n = _decode_segments([2, 1], [21, 5], seed=head_dim)
+    _compare(segs, n, heads, kv_heads, head_dim, torch.float32, v_dim=v_dim)
+    _compare(segs, n, heads, kv_heads, head_dim, torch.bfloat16, v_dim=v_dim, sinks=torch.linspace(-1, 1, heads))
+
+
+def test_split_heuristics():
     # shapes only (a CUDA graph replays the same grid whatever the context lengths): 2 segments x 2 KV heads
     assert tb.suffix_splits(2, 2, sms=132) == 16  # 4 programs on 132 SMs: capped at MAX_SUFFIX_SPLITS
     assert tb.suffix_splits(2, 2, sms=1) == 1  # the 4 programs already fill one SM twice
     assert tb.suffix_splits(2, 2, sms=10) == 4  # ceil(20 / 4) = 5 -> power of two below
     assert tb.suffix_splits(2, 132, sms=132) == 1  # 264 programs are two waves already
+    assert tb.suffix_splits(2, 1, sms=132, head_tiles=8) == 16  # MLA: head tiles count as programs
+    # one group of 32 samples, 8 KV heads, a 4096-token prompt table on 132 SMs: ceil(264 / 16) = 17 -> 16 splits
+    assert tb.prefix_splits(32, 8, 32, 128, 4096, sms=132) == 16
+    assert tb.prefix_splits(32, 8, 32, 128, 512, sms=132) == 2  # at least 256 table positions per split
+    assert tb.prefix_splits(256, 8, 32, 128, 4096, sms=132) == 2  # 16 groups x 8 heads: ceil(264 / 128) = 3 -> 2
+    assert tb.prefix_splits(256, 1, 128, 512, 8192, sms=132) == 1  # MLA at 256 rows: 64 MiB of partials per split
 
 
 def test_unlabelled_groups_are_not_merged():
@@ -222,51 +262,28 @@ def test_engine_greedy_triton_equals_torch(name):
     assert all(len(c) == 6 for c in outs["torch"])
 
 
-
-def compile_for_hopper() -> None:
-    """Build all three kernels for sm_90 (bfloat16, Qwen3 head geometry) down to a cubin with the wheel's own ptxas.
-    Needs no GPU, but a process where TRITON_INTERPRET is off."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from trl_infinite.engine.attention.triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
-
-    # every feature on: MLA widths (K 192, V 128), soft-cap, sinks, sliding window, chunks
-    common = dict(HEAD_DIM_K=192, BLOCK_DK=256, HEAD_DIM_V=128, BLOCK_DV=128, GQA=2, PAGE=16, BLOCK_N=32,
-                  PRECISION="tf32", UPCAST=False, SOFTCAP=True, HAS_WINDOW=True, HAS_CHUNK=True)
-    float_ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
-    for fn, constexprs in [
-        (_prefix_kernel, {**common, "BLOCK_M": 64, "HAS_SINKS": True}),
-        (_suffix_kernel, {**common, "BLOCK_M": 16, "SPLITS": 4}),
-        (_merge_kernel, {"HEAD_DIM_V": 128, "BLOCK_DV": 128, "SPLITS": 4}),
-    ]:
-        sig = {}
-        for name in inspect.signature(fn.fn).parameters:
-            if name in constexprs:
-                sig[name] = "constexpr"
-            elif name in float_ptrs:
-                sig[name] = float_ptrs[name]
-            elif name.endswith("_ptr"):
-                sig[name] = "*fp32" if name.startswith(("o_", "lse", "part", "sinks")) else "*i64"
-            else:
-                sig[name] = "fp32" if name in ("scale", "softcap") else "i64"
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
-        assert kernel.asm["cubin"], fn.fn.__name__
-    print("compiled")
+def test_dot_mode_follows_pool_dtype_autocast_and_matmul_precision():
+    """Tensor cores for 16-bit pools and for an fp32 pool under bf16 / fp16 autocast (the rounding of the model's
+    own matmuls there); fp32 otherwise, at torch's float32 matmul precision; fp32 'ieee' under the interpreter."""
+    assert tiles.dot_mode(torch.bfloat16, "cuda", False)[0] == 0 and tiles.dot_mode(torch.float16, "cuda", False)[0] == 0
+    assert tiles.dot_mode(torch.float32, "cpu", False) == (0, "ieee")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert tiles.dot_mode(torch.float32, "cpu", False) == (1, "tf32")
+        assert tiles.dot_mode(torch.float32, "cpu", True) == (0, "ieee")  # the interpreter: no casts
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert tiles.dot_mode(torch.float32, "cpu", False) == (0, "tf32")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert tiles.dot_mode(torch.bfloat16, "cpu", True) == (3, "ieee")
 
 
-def test_kernels_compile_for_hopper():
-    # the interpreter is more permissive than the compiler (dtype rules, masks): compile for real, in a subprocess
-    # because this one runs with TRITON_INTERPRET=1
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
-            "from test_triton_attention import compile_for_hopper; compile_for_hopper()")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+def test_tiles_cover_every_head_dim():
+    # keys in power-of-two chunks with no padding beyond 128 wide (MLA: 9 x 64); values whole
+    assert tiles.key_chunks(8) == (16, 1) and tiles.key_chunks(128) == (128, 1) and tiles.key_chunks(96) == (128, 1)
+    assert tiles.key_chunks(256) == (128, 2) and tiles.key_chunks(192) == (64, 3) and tiles.key_chunks(576) == (64, 9)
+    assert tiles.suffix_rows(4, 128) == (16, 1) and tiles.suffix_rows(128, 512) == (16, 8)
+    for dk, dv in [(64, 64), (128, 128), (256, 256), (576, 512)]:
+        for t in tiles.prefix_tiles(dk, dv) + tiles.suffix_tiles(8, dk, dv):  # accumulator under 64 regs / thread
+            assert t.block_m * tiles.value_block(dv) <= 64 * 32 * t.num_warps

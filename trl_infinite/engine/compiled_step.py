@@ -41,6 +41,12 @@ class CompiledStep:
         self._direct.clear()
         self._checked.clear()
 
+    def entry(self, key: tuple) -> Callable | None:
+        """The bytecode Dynamo produced for `key`'s first call, as a plain function of (owner, *args), or None. Calling
+        it runs the compiled graph without entering Dynamo at all (what a graph capture records)."""
+        direct = self._direct.get(key)
+        return None if direct is None else lambda *args: direct(self._owner, *args)
+
     def __call__(self, key: tuple, *args) -> Any:
         direct = self._direct.get(key)
         if direct is not None:

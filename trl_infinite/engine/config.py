@@ -57,6 +57,12 @@ class EngineConfig:
                   "on first use and replay it every step; recaptured when parameter storage changes. Ignored off "
                   "CUDA."},
     )
+    cuda_graph_max_batch: int = field(
+        default=256,
+        metadata={"help": "Largest decode batch (rows, padded to its bucket) captured in a CUDA graph; larger batches "
+                  "run uncaptured (they are not launch-bound). The graphs' memory taken out of a `kv_cache_fraction` "
+                  "budget is sized for this batch, or for `max_active_sequences` where that is smaller."},
+    )
     compile: bool = field(
         default=False,
         metadata={"help": "torch.compile the static decode step (fullgraph, one graph per batch bucket); works on "
@@ -214,6 +220,7 @@ class EngineConfig:
         integer("default_cpu_kv_tokens", self.default_cpu_kv_tokens)
         integer("block_size", self.block_size)
         integer("max_prefill_tokens", self.max_prefill_tokens)
+        integer("cuda_graph_max_batch", self.cuda_graph_max_batch)
         for name in ("cuda_graphs", "compile", "cpu_decode_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")

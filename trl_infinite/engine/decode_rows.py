@@ -15,6 +15,10 @@ The static step itself advances the rows it decodes (input token := the sampled 
 as seen), so between two steps the host uploads only what changed: the whole state of joining rows, and the block
 ids the scheduler appended (`ScheduledBatch.grown`). A row is rewritten when the sample's KV was rebuilt (preempted
 and re-admitted with a recompute). The host work per step is a few set operations, not a loop over every row.
+
+Uploads go through pinned memory without blocking the host (`upload`): a pageable source would make each copy
+synchronous, staged through a driver buffer. PyTorch's caching host allocator keeps a pinned block until the copy
+that reads it has run, so the host tensors can be dropped right away.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from collections import Counter
 import torch
 
 from .sequence import Sequence
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`: on CUDA a non-blocking copy from pinned memory, elsewhere `host` itself."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class DecodeRows:
@@ -98,7 +109,7 @@ class DecodeRows:
         joiners = [s for s in seqs if s.seq_id not in self.row_of]
         stay = [(self.row_of[s.seq_id], s) for s in grown if s.seq_id in self.row_of]  # joiners are written whole
         if stay:  # the whole own-table row: blocks given back after drafts may have been replaced by others
-            rows = torch.tensor([r for r, _ in stay], device=self.device)
+            rows = upload(torch.tensor([r for r, _ in stay]), self.device)
             self.suffix_table[rows] = self._table([s.blocks for _, s in stay], self.own_cols)
             for r, s in stay:
                 self._count(self._own, self._written[r], len(s.blocks))
@@ -130,8 +141,8 @@ class DecodeRows:
             self._count(self._prompt, self._prompt_n[r], None)
             self._release_slot(self._row_slot[r])
         if holes:
-            dst = torch.tensor(holes, device=self.device)
-            src = torch.tensor(movers, device=self.device)
+            dst = upload(torch.tensor(holes), self.device)
+            src = upload(torch.tensor(movers), self.device)
             for t in self._state():
                 t[dst] = t[src]
             for h, mv in zip(holes, movers):
@@ -158,14 +169,15 @@ class DecodeRows:
             if self._slot_rows[slot] == 1:
                 fresh[slot] = s.group.prompt_blocks
         ids = torch.tensor([[s.output_ids[-1], s.num_tokens - 1, s.prompt_len, s.group_id, s.sample_idx, slot]
-                            for s, slot in zip(joiners, self._row_slot[start:])], dtype=torch.long).to(self.device)
+                            for s, slot in zip(joiners, self._row_slot[start:])], dtype=torch.long)
+        ids = upload(ids, self.device)
         self.inputs[:, rows] = ids[:, :2].T
         self.prompt_len[rows], self.group[rows], self.sample[rows] = ids[:, 2], ids[:, 3], ids[:, 4]
         self.group_slot[rows] = ids[:, 5]
         self.prefix_table[rows] = self._table([s.group.prompt_blocks for s in joiners], self.prefix_cols)
         self.suffix_table[rows] = self._table([s.blocks for s in joiners], self.own_cols)
         if fresh:
-            at = torch.tensor(list(fresh), dtype=torch.long, device=self.device)
+            at = upload(torch.tensor(list(fresh), dtype=torch.long), self.device)
             self.group_prefix[at] = self._table(list(fresh.values()), self.prefix_cols)
         for i, s in enumerate(joiners):
             self.row_of[s.seq_id] = start + i
@@ -177,7 +189,7 @@ class DecodeRows:
         if self.seen is not None:  # the prompt and every output token (later ones are marked by the step itself)
             self.seen[rows] = False
             cells = [(start + i, t) for i, s in enumerate(joiners) for t in (*s.group.prompt_ids, *s.output_ids)]
-            c = torch.tensor(cells, dtype=torch.long).to(self.device)
+            c = upload(torch.tensor(cells, dtype=torch.long), self.device)
             self.seen[c[:, 0], c[:, 1]] = True
 
     def _take_slot(self, key: tuple) -> int:
@@ -205,4 +217,4 @@ class DecodeRows:
         out = torch.full((len(lists), cols), self.null_block, dtype=torch.long)
         for i, blocks in enumerate(lists):
             out[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return out.to(self.device)
+        return upload(out, self.device)

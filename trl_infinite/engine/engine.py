@@ -54,15 +54,20 @@ class RolloutEngine:
         with model_guard(model, "RolloutEngine(model)"):  # the probe switches attention and mode for a moment
             self.support = check_support(model, self.config.attention_backend, self.config.cpu_decode_kernel)
         self.vocab_size = model_vocab_size(model)
+        # the largest captured batch: the slot limit, or `cuda_graph_max_batch` where none bounds the batch
+        # (`full_group`, `dynamic_slot`); its step's memory is reserved for the graphs' pool
+        graph_rows = min(self.config.slot_limit or self.config.cuda_graph_max_batch, self.config.cuda_graph_max_batch)
         reserve = 0
         if self.device.type == "cuda" and self.config.cuda_graphs:
-            reserve = static_step_bytes(model.config, self.config.max_active_sequences or 256)
+            reserve = static_step_bytes(model.config, graph_rows)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
                                 reserve_bytes=reserve)
         self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel)
         self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
-                                     compile_backend=self.config.compile_backend)
+                                     compile_backend=self.config.compile_backend, max_graph_rows=graph_rows)
+        with torch.inference_mode(), eval_mode(model):
+            self.decoder.check_capture()  # a step that cannot be captured turns graphs off here, with a warning
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
         self.history = PromptHistory(
@@ -232,9 +237,11 @@ class RolloutEngine:
         """The engine's own counters (the scheduler's were recorded by `drive`)."""
         if self.predictor.mae is not None:
             stats.extra["length_prediction_mae"] = self.predictor.mae
-        if self.decoder.graph_bytes:
-            stats.extra["cuda_graph_bytes"] = self.decoder.graph_bytes
+        graph_memory = self.decoder.graph_memory()
+        if graph_memory.reserved:
+            stats.extra["cuda_graph_bytes"] = graph_memory.reserved
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
+            # replays reuse the graphs' pool without allocating: its part not held by live tensors is added
+            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device) + graph_memory.unaccounted
         stats.wall_time_s = time.perf_counter() - start

@@ -5,8 +5,12 @@
 processors and the inverse-CDF draw. Nothing in `_step` reads device data on the host, so it runs
 - eagerly (the default off CUDA),
 - compiled with `torch.compile(fullgraph=True)` (`EngineConfig.compile`, on any device), and/or
-- captured in one CUDA graph per bucket and replayed (`EngineConfig.cuda_graphs`, on CUDA).
-The host's work per step is `DecodeRows.update` (incremental uploads) and one copy of the sampled tokens back.
+- captured in one CUDA graph per bucket and replayed (`EngineConfig.cuda_graphs`, on CUDA; `step_graphs.py`), up to
+  `EngineConfig.cuda_graph_max_batch` rows.
+The host's work per step is `DecodeRows.update` (incremental, non-blocking uploads) and one copy of the sampled
+tokens and log-probabilities back: the step packs them into one [2, rows] float64 tensor ([3, rows] with raw
+log-probs), copied whole into a flat pinned buffer (contiguous to contiguous: no pageable temporary, so the copy does
+not block the host).
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from dataclasses import dataclass
 import torch
 
 from .attention import decode_metadata
+from .attention import triton_tiles as tiles
 from .compiled_step import CompiledStep
+from .cuda_graphs import PoolMemory, graph_runtime
 from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
 from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seed_base
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
+from .step_graphs import StepGraphs
 
 
 def bucket_sizes(capacity: int) -> list[int]:
@@ -37,12 +45,17 @@ def bucket_sizes(capacity: int) -> list[int]:
 
 def static_step_bytes(model_config, rows: int) -> int:
     """Upper estimate of what one static decode step at `rows` rows allocates: the logits and the sampler's copies
-    of them ([rows, V] in float32 / float64, about six) and the per-layer temporaries. CUDA graphs share one private
-    memory pool, so this is the graphs' memory (reserved from a `kv_cache_fraction` budget; the measured figure is
-    `RolloutStats.extra["cuda_graph_bytes"]`)."""
+    of them ([rows, V] in float32 / float64, about six), the per-layer temporaries, and the split partial outputs of
+    the Triton attention kernels (fp32, `triton_tiles`: the prompt's capped, the own tokens' at most 16 splits).
+    CUDA graphs share one private memory pool, so this is the graphs' memory (reserved from a `kv_cache_fraction`
+    budget; the measured figure is `RolloutStats.extra["cuda_graph_bytes"]`)."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     width = cfg.hidden_size * 8 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 3
-    return rows * (cfg.vocab_size * 4 * 6 + width * 4 * 2)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_split = rows * heads * head_dim * 4
+    partials = min(tiles.MAX_PARTIAL_BYTES, per_split * tiles.MAX_PREFIX_SPLITS) + per_split * tiles.MAX_SUFFIX_SPLITS
+    return rows * (cfg.vocab_size * 4 * 6 + width * 4 * 2) + partials
 
 
 def _pow2_at_least(n: int, cap: int) -> int:
@@ -61,21 +74,17 @@ class Decoded:
     raw_logprobs: list[float] | None = None  # with `SamplingParams.raw_logprobs_temperature`
 
 
-class _Captured:
-    """One CUDA graph and its static outputs."""
-
-    def __init__(self, graph, outputs):
-        self.graph, self.outputs = graph, outputs
-
-
 class StaticDecoder:
     """Runs decode steps on the static path for one engine (its model, pool and backend)."""
 
-    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool, compile_backend: str = "inductor"):
+    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool, compile_backend: str = "inductor",
+                 max_graph_rows: int = 256):
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.pool.block_size
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        # CUDA graphs on CUDA; off CUDA, the CPU stand-in while `graph_emulation.emulate_cuda_graphs` is active
+        runtime = graph_runtime(self.device) if cuda_graphs else None
+        self.graphs = None if runtime is None else StepGraphs(runtime, runner.pool, self.block_size, max_graph_rows)
         # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
         # in use
         self.full_tables = not runner.backend.gathers_columns
@@ -87,10 +96,7 @@ class StaticDecoder:
         self.sampler: Sampler | None = None
         self.want_hidden = False
         self.seed = torch.zeros((), dtype=torch.long, device=self.device)
-        self.graphs: dict[tuple, _Captured] = {}
-        self.graph_pool = None
-        self.graph_bytes = 0
-        self._host: torch.Tensor | None = None  # pinned read-back buffer (CUDA)
+        self._host: torch.Tensor | None = None  # flat pinned read-back buffer (CUDA)
         self._fingerprint: tuple = ()
         self._compiled: CompiledStep | None = None
         if compile:
@@ -114,17 +120,44 @@ class StaticDecoder:
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
         if self.rows is None or not self.rows.fits(cap, pcols, ocols, vocab):
             self.rows = DecodeRows(cap, pcols, ocols, self.block_size, self.runner.pool.null_block, self.device, vocab)
-            self.graphs.clear()
+            self._clear_graphs()
         if self.sampler is None or self.sampler.params_key != sampler.params_key or want_hidden != self.want_hidden:
             self.sampler, self.want_hidden = sampler, want_hidden
-            self.graphs.clear()
+            self._clear_graphs()
         self.seed.fill_(seed_base(seed))
         fingerprint = tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers()))
         if fingerprint != self._fingerprint:  # parameters gathered into new storage (ZeRO-3, FSDP): recapture
             self._fingerprint = fingerprint
-            self.graphs.clear()
+            self._clear_graphs()
             if self._compiled is not None:
                 self._compiled.reset()
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.graphs is not None and self.graphs.enabled
+
+    def graph_memory(self) -> PoolMemory:
+        """Memory of the graphs' pool (zero without graphs)."""
+        return self.graphs.pool_memory() if self.graphs is not None else PoolMemory()
+
+    def _clear_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def check_capture(self) -> None:
+        """Part of the support check where graphs are on: warm up and capture one step of a single padding row
+        (it writes only the pool's null block), uncompiled. A model whose step cannot be captured turns graphs off
+        here, with a warning, before any rollout (`StepGraphs.give_up`)."""
+        if not self.use_graphs:
+            return
+        self.begin(Sampler(SamplingParams(temperature=0.0)), 0, capacity=1, prompt_blocks=1, own_blocks=1,
+                   want_hidden=False)
+        try:
+            self.graphs.replay(("check",), self._args(1, captured=True)[0], lambda args: self._run(args, False),
+                               lambda args: self._record(args, compiled=False))
+        finally:
+            self._clear_graphs()
+            self.rows = self.sampler = None
 
     def end(self) -> None:
         """Release the rows of the finished call (their samples are done)."""
@@ -139,45 +172,22 @@ class StaticDecoder:
     def launch(self, batch: ScheduledBatch, stats: RolloutStats) -> Callable[[], Decoded]:
         """Start one decode step over `batch.decode` (one token per sample); returns the function that waits for it.
         On CUDA the step runs asynchronously between the two calls (the host is free, e.g. to score rewards), and
-        the tokens come back through one copy into pinned memory. Adds the host time of the upload and the
-        read-back to `stats.host_time_s`, the forward's (up to the read-back) to `stats.decode_forward_s`."""
+        the tokens come back through one non-blocking copy into pinned memory. Adds the host time of the upload and
+        the read-back to `stats.host_time_s`, the forward's (up to the read-back) to `stats.decode_forward_s`."""
         t0 = time.perf_counter()
-        rows, seqs = self.rows, batch.decode
-        row_of = rows.update(seqs, batch.grown, batch.rebuilt)
+        seqs = batch.decode
+        row_of = self.rows.update(seqs, batch.grown, batch.rebuilt)
         n = len(seqs)
-        padded = next(b for b in bucket_sizes(rows.capacity) if b >= n)
-        pcols, ocols = rows.prefix_cols, rows.own_cols
-        if not self.full_tables:  # a gathering backend reads every column: only the used ones (a graph: bucketed)
-            if self.use_graphs:
-                pcols, ocols = _pow2_at_least(rows.max_prompt_blocks, pcols), _pow2_at_least(rows.max_own_blocks, ocols)
-            else:  # at least 2: a width of 1 would be specialised by the compiler (tables have >= 2 columns)
-                pcols, ocols = max(2, rows.max_prompt_blocks), max(2, rows.max_own_blocks)
-        tables = [rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols]]
-        # the group slots in use, bucketed to powers of two (a static size: one compiled graph per bucket), only where
-        # they are read (`cascade_slots`); elsewhere none are passed (a layer that still falls back to the torch path
-        # takes its whole-context attention)
-        group_slot, slots = None, 0
-        if self.cascade_slots:
-            used = rows.group_slots_used
-            slots = 1 if used <= 1 else min(rows.group_prefix.shape[0], _pow2_at_least(used, 1 << 30))
-            group_slot = rows.group_slot[:padded]
-            tables.append(rows.group_prefix[:slots, :pcols])
-        if not self.use_graphs:  # one memory layout whatever the widths (a graph instead keeps the views' addresses)
-            tables = [t.clone(memory_format=torch.contiguous_format) for t in tables]
-        group_prefix = tables[2] if self.cascade_slots else None
-        args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
-                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix)
+        padded = next(b for b in bucket_sizes(self.rows.capacity) if b >= n)
+        captured = self.graphs is not None and self.graphs.captures(padded)
+        args, key = self._args(padded, captured)
         t1 = time.perf_counter()
-        if self.use_graphs:
-            tokens, logprobs, hidden = self._replay((padded, pcols, ocols, slots), args)
-        else:
-            tokens, logprobs, hidden = self._run(args)
-        # [2, n] (token, log-prob), or [3, n] with raw log-probs: ids are exact in float64
-        packed = torch.cat([tokens[:n, None].double(), logprobs[:n].double().reshape(n, -1)], 1).T
+        out = self.graphs.replay(key, args, self._run, self._record) if captured else None
+        packed, hidden = out if out is not None else self._run(args)  # [2 or 3, padded] float64
         if packed.is_cuda:
-            if self._host is None or self._host.shape[1] < rows.capacity or self._host.shape[0] != packed.shape[0]:
-                self._host = torch.empty(packed.shape[0], rows.capacity, dtype=torch.float64, pin_memory=True)
-            packed = self._host[:, :n].copy_(packed, non_blocking=True)
+            host = self._host_buffer(packed.numel()).view(packed.shape)
+            host.copy_(packed, non_blocking=True)
+            packed = host
             done = torch.cuda.Event()
             done.record()
         t2 = time.perf_counter()
@@ -196,26 +206,71 @@ class StaticDecoder:
 
         return finish
 
-    def _run(self, args):
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        """The first `size` elements of the flat pinned float64 read-back buffer (grown to the rows' capacity)."""
+        if self._host is None or self._host.numel() < size:
+            self._host = torch.empty(max(size, 2 * self.rows.capacity), dtype=torch.float64, pin_memory=True)
+        return self._host[:size]
+
+    def _args(self, padded: int, captured: bool) -> tuple[tuple, tuple]:
+        """The step's arguments over rows `0 .. padded-1`, and its graph key. A graph keeps the views' addresses;
+        otherwise the tables are contiguous copies of the columns in use (one memory layout whatever the widths)."""
+        rows = self.rows
+        pcols, ocols = rows.prefix_cols, rows.own_cols
+        if not self.full_tables:  # a gathering backend reads every column: only the used ones (a graph: bucketed)
+            if captured:
+                pcols, ocols = _pow2_at_least(rows.max_prompt_blocks, pcols), _pow2_at_least(rows.max_own_blocks, ocols)
+            else:  # at least 2: a width of 1 would be specialised by the compiler (tables have >= 2 columns)
+                pcols, ocols = max(2, rows.max_prompt_blocks), max(2, rows.max_own_blocks)
+        tables = [rows.prefix_table[:padded, :pcols], rows.suffix_table[:padded, :ocols]]
+        # the group slots in use, bucketed to powers of two (a static size: one compiled graph per bucket), only where
+        # they are read (`cascade_slots`); elsewhere none are passed (a layer that still falls back to the torch path
+        # takes its whole-context attention)
+        group_slot, slots = None, 0
+        if self.cascade_slots:
+            used = rows.group_slots_used
+            slots = 1 if used <= 1 else min(rows.group_prefix.shape[0], _pow2_at_least(used, 1 << 30))
+            group_slot = rows.group_slot[:padded]
+            tables.append(rows.group_prefix[:slots, :pcols])
+        if not captured:
+            tables = [t.clone(memory_format=torch.contiguous_format) for t in tables]
+        group_prefix = tables[2] if self.cascade_slots else None
+        args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
+                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix)
+        return args, (padded, pcols, ocols, slots)
+
+    def _run(self, args, compiled: bool = True):
         with self.runner.routed():
-            if self._compiled is None:
+            if self._compiled is None or not compiled:
                 return self._step(*args)
-            if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
-                torch._dynamo.maybe_mark_dynamic(args[4], 1)
-                torch._dynamo.maybe_mark_dynamic(args[5], 1)
-                if args[9] is not None:
-                    torch._dynamo.maybe_mark_dynamic(args[9], 1)
-            # one compiled entry per (bucket, group slots, sampling settings, hidden states wanted, seen tokens kept),
-            # dispatched without Dynamo's guards after its first call (`CompiledStep`)
-            key = (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], self.sampler.params_key,
-                   self.want_hidden, args[6] is None)
-            return self._compiled(key, *args)
+            return self._compiled(self._compile_key(args), *args)
+
+    def _compile_key(self, args) -> tuple:
+        """One compiled entry per (bucket, group slots, sampling settings, hidden states wanted, seen tokens kept),
+        dispatched without Dynamo's guards after its first call (`CompiledStep`)."""
+        if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
+            torch._dynamo.maybe_mark_dynamic(args[4], 1)
+            torch._dynamo.maybe_mark_dynamic(args[5], 1)
+            if args[9] is not None:
+                torch._dynamo.maybe_mark_dynamic(args[9], 1)
+        return (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], self.sampler.params_key,
+                self.want_hidden, args[6] is None)
+
+    def _record(self, args, compiled: bool = True):
+        """What a graph captures: the step, compiled when `compile` is on (the compiled graph the warm-up ran, called
+        without entering Dynamo: nothing is traced or guarded inside a capture)."""
+        with self.runner.routed():
+            if not compiled or self._compiled is None:
+                return self._step(*args)
+            entry = self._compiled.entry(self._compile_key(args))
+            return entry(*args) if entry is not None else self._compiled.compiled(*args)
 
     def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed, group_slot,
               group_prefix):
-        """The static region: [2, N] inputs and per-row state in, [N] tokens and log-probs out. Advances the rows
-        for the next step on the device: input token := the sampled token, position + 1, the token marked seen
-        (padding rows, group -1, keep position 0)."""
+        """The static region: [2, N] inputs and per-row state in; the sampled tokens and their log-probs packed
+        into one [2, N] float64 tensor ([3, N] with raw log-probs; ids are exact in float64) and the hidden states
+        (or None) out. Advances the rows for the next step on the device: input token := the sampled token,
+        position + 1, the token marked seen (padding rows, group -1, keep position 0)."""
         ids, pos = inputs[0], inputs[1]
         meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size, group_slot,
                                group_prefix)
@@ -227,30 +282,5 @@ class StaticDecoder:
         inputs[1].add_((group >= 0).long())
         if seen is not None:
             seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
-        return tokens, token_logprobs, hidden
-
-    # ------------------------------------------------------------------ CUDA graphs
-    def _replay(self, key: tuple, args):
-        captured = self.graphs.get(key)
-        if captured is None:
-            captured = self.graphs[key] = self._capture(args)
-        captured.graph.replay()
-        return captured.outputs
-
-    def _capture(self, args) -> _Captured:
-        """Warm up on a side stream (Triton JIT, cuBLAS workspaces, compilation), then capture one step into the
-        shared graph memory pool; the pool's growth is counted in `graph_bytes`."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_reserved(self.device)
-        with self.runner.routed(), torch.cuda.graph(graph, pool=self.graph_pool):
-            outputs = self._step(*args) if self._compiled is None else self._compiled.compiled(*args)
-        if self.graph_pool is None:
-            self.graph_pool = graph.pool()
-        self.graph_bytes += torch.cuda.memory_reserved(self.device) - before
-        return _Captured(graph, outputs)
+        # [2, N] (token, log-prob), or [3, N] with raw log-probs (`SamplingParams.raw_logprobs_temperature`)
+        return torch.cat([tokens[None].double(), token_logprobs.double().reshape(tokens.shape[0], -1).T]), hidden

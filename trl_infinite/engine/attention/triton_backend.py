@@ -2,15 +2,20 @@
 
 What runs where:
 - decode forwards (every segment has one query token): `_prefix_kernel` once per group of segments sharing a
-  prompt, then `_suffix_kernel` once per segment, merged by log-sum-exp (see `triton_kernels`). The kernels
-  implement every `LayerAttention` feature: sliding windows and chunked attention (per-query lowest visible
-  position), logit soft-capping, attention sinks, MQA / GQA, and keys wider than values (MLA);
+  prompt and per KV split of that prompt (flash-decoding style), then `_suffix_kernel` once per segment (and tile
+  of its GQA heads, split over its own tokens when programs are few), merged by log-sum-exp (see
+  `triton_kernels`). The kernels implement every `LayerAttention` feature: sliding windows and chunked attention
+  (per-query lowest visible position), logit soft-capping, attention sinks, MQA / GQA, and keys wider than values
+  (MLA, up to 576 / 512);
 - multi-token forwards (prompt prefill, recompute, speculative verification with drafts): the torch reference
   `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is where the
   memory-bound time goes).
 
-The launch grids depend on shapes only (rows, KV heads, the device's SM count), never on device data, so a decode
-step is capturable in a CUDA graph: split-K programs past a row's context simply write an empty partial.
+The launch grids depend on shapes only (rows, KV heads, the device's SM count, the table widths), never on device
+data, so a decode step is capturable in a CUDA graph: split programs past a row's context simply write an empty
+partial. Tiles, warps and pipeline stages come from `triton_tiles` (autotuned among its candidates on CUDA), the
+dot products' dtype and precision from the pool dtype, autocast and torch's float32 matmul precision
+(`triton_tiles.dot_mode`).
 
 Importing this module registers the backend, so `EngineConfig.attention_backend="auto"` picks it on CUDA. The kernels
 need CUDA tensors, or `TRITON_INTERPRET=1` set before `triton` is imported (Triton's CPU interpreter, for tests).
@@ -19,22 +24,19 @@ need CUDA tensors, or `TRITON_INTERPRET=1` set before `triton` is imported (Trit
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import replace
 
 import torch
 import triton
 
+from . import triton_tiles as tiles
 from .backends import register_attention_backend
 from .layer import LayerAttention
 from .metadata import PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention
 from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
 
-BLOCK_M_PREFIX = 64  # query rows (samples x GQA heads) per prefix tile
-BLOCK_N = 32  # KV positions per tile
-MAX_PREFIX_SPLITS = 4  # programs sharing the row tiles of one large group
-MAX_SUFFIX_SPLITS = 16  # split-K of long own contexts when there are too few (segment, KV head) programs
+AUTOTUNE = True  # on CUDA, time the tile candidates on each configuration's first call (off: the first candidate)
 
 
 def _interpreting() -> bool:
@@ -90,16 +92,32 @@ def device_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def suffix_splits(num_seg: int, num_kv_heads: int, sms: int) -> int:
-    """Power-of-two split-K factor of the suffix kernel: enough programs for about two waves over `sms`
-    multiprocessors. A function of shapes only (no context length: that is device data), so graphs can capture it."""
-    programs = num_seg * num_kv_heads
-    want = min(MAX_SUFFIX_SPLITS, -(-2 * sms // programs))
-    return 1 << (max(want, 1).bit_length() - 1)
+def suffix_splits(num_seg: int, num_kv_heads: int, sms: int, head_tiles: int = 1) -> int:
+    return tiles.suffix_splits(num_seg, num_kv_heads, sms, head_tiles)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+def prefix_splits(num_seg: int, num_kv_heads: int, num_heads: int, head_dim_v: int, prompt_capacity: int,
+                  sms: int) -> int:
+    return tiles.prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
+
+
+@functools.cache
+def _tuned(kernel, candidates: tuple[tiles.Tiles, ...]):
+    """`kernel` autotuned over `candidates` (keyed on the constexprs that shape the work; dtypes are in the key)."""
+    configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps,
+                             num_stages=t.num_stages) for t in candidates]
+    key = ["row_class", "HEAD_DIM_K", "HEAD_DIM_V", "GQA", "NUM_HEADS", "KV_SPLITS", "PREFIX_SPLITS", "SPLITS",
+           "SOFTCAP", "HAS_WINDOW", "HAS_CHUNK", "HAS_SINKS", "CAST", "PRECISION"]
+    return triton.autotune(configs=configs, key=key)(kernel)
+
+
+def _launch(kernel, grid, candidates: list[tiles.Tiles], device: torch.device, *args, **kwargs) -> None:
+    if AUTOTUNE and device.type == "cuda" and not _interpreting() and len(candidates) > 1:
+        _tuned(kernel, tuple(candidates))[grid](*args, **kwargs)
+        return
+    t = candidates[0]
+    kernel[grid](*args, **kwargs, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
+                 num_stages=t.num_stages)
 
 
 def triton_paged_attention(
@@ -117,9 +135,10 @@ def triton_paged_attention(
 
 def cascade_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
-    layer: LayerAttention,
+    layer: LayerAttention, kv_splits: int | None = None, splits: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention (one query token per segment) with the prompt part shared across each group."""
+    """Decode attention (one query token per segment) with the prompt part shared across each group.
+    `kv_splits` / `splits` override the prompt's KV splits and the own tokens' split-K (tests)."""
     _check(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim_k = query.shape
     num_kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[2]
@@ -127,43 +146,45 @@ def cascade_decode_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads.")
     gqa = num_heads // num_kv_heads
     num_seg = meta.prompt_lens.shape[0]
+    device = query.device
     query = query.to(k_cache.dtype)
     order, run_len = meta.cascade
-    f32 = dict(dtype=torch.float32, device=query.device)
-    o_pre = torch.empty(num_tokens, num_heads, head_dim_v, **f32)
-    lse_pre = torch.empty(num_tokens, num_heads, **f32)
-    out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=query.dtype, device=query.device)
-    block_dv = max(16, triton.next_power_of_2(head_dim_v))
-    dims = dict(HEAD_DIM_K=head_dim_k, BLOCK_DK=max(16, triton.next_power_of_2(head_dim_k)), HEAD_DIM_V=head_dim_v,
-                BLOCK_DV=block_dv)
-    common = dict(**dims, GQA=gqa, PAGE=meta.block_size, BLOCK_N=BLOCK_N, PRECISION=_precision(query.dtype),
-                  UPCAST=_interpreting() and query.dtype == torch.bfloat16, SOFTCAP=layer.softcap is not None,
-                  HAS_WINDOW=bool(layer.sliding_window), HAS_CHUNK=bool(layer.chunk_size))
+    sms = device_sms(device)
+    block_dk, dk_chunks = tiles.key_chunks(head_dim_k)
+    block_dv = tiles.value_block(head_dim_v)
+    cast, precision = tiles.dot_mode(k_cache.dtype, device.type, _interpreting())
+    common = dict(HEAD_DIM_K=head_dim_k, BLOCK_DK=block_dk, DK_CHUNKS=dk_chunks, HEAD_DIM_V=head_dim_v,
+                  BLOCK_DV=block_dv, NUM_HEADS=num_heads, GQA=gqa, PAGE=meta.block_size, PRECISION=precision,
+                  CAST=cast, SOFTCAP=layer.softcap is not None, HAS_WINDOW=bool(layer.sliding_window),
+                  HAS_CHUNK=bool(layer.chunk_size))
     features = (float(layer.scale), float(layer.softcap or 0.0), int(layer.sliding_window or 0),
-                int(layer.chunk_size or 0))
+                int(layer.chunk_size or 0), tiles.row_class(num_seg))
     kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-    sinks = layer.sinks.float().contiguous() if layer.sinks is not None else lse_pre  # placeholder when absent
-    row_splits = min(MAX_PREFIX_SPLITS, math.ceil(num_seg * gqa / BLOCK_M_PREFIX))
-    _prefix_kernel[(num_seg, num_kv_heads, row_splits)](
-        query, k_cache, v_cache, o_pre, lse_pre, sinks,
-        order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
-        query.stride(0), query.stride(1), *kv_strides,
-        o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), meta.prefix_table.stride(0),
-        *features, BLOCK_M=BLOCK_M_PREFIX, HAS_SINKS=layer.sinks is not None, **common,
-    )
-    splits = suffix_splits(num_seg, num_kv_heads, device_sms(query.device))
-    part_o, part_lse = o_pre, lse_pre  # unused when splits == 1
+    f32 = dict(dtype=torch.float32, device=device)
+    prompt_capacity = meta.prefix_table.shape[1] * meta.block_size
+    kv_splits = kv_splits or prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
+    pre_o = torch.empty(num_tokens, num_heads, kv_splits, head_dim_v, **f32)
+    pre_lse = torch.empty(num_tokens, num_heads, kv_splits, **f32)
+    sinks = layer.sinks.float().contiguous() if layer.sinks is not None else pre_lse  # placeholder when absent
+    _launch(_prefix_kernel, (num_seg, num_kv_heads, kv_splits), tiles.prefix_tiles(head_dim_k, head_dim_v), device,
+            query, k_cache, v_cache, pre_o, pre_lse, sinks,
+            order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
+            query.stride(0), query.stride(1), *kv_strides, meta.prefix_table.stride(0),
+            *features, KV_SPLITS=kv_splits, HAS_SINKS=layer.sinks is not None, **common)
+    _, head_tiles = tiles.suffix_rows(gqa, head_dim_v)
+    splits = splits or suffix_splits(num_seg, num_kv_heads, sms, head_tiles)
+    out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=query.dtype, device=device)
+    part_o, part_lse = pre_o, pre_lse  # unused when splits == 1
     if splits > 1:
         part_o = torch.empty(num_tokens, num_heads, splits, head_dim_v, **f32)
         part_lse = torch.empty(num_tokens, num_heads, splits, **f32)
-    _suffix_kernel[(num_seg, num_kv_heads, splits)](
-        query, k_cache, v_cache, o_pre, lse_pre, out, part_o, part_lse,
-        meta.q_start, meta.q_pos, meta.prompt_lens, meta.suffix_table,
-        query.stride(0), query.stride(1), *kv_strides,
-        o_pre.stride(0), o_pre.stride(1), lse_pre.stride(0), out.stride(0), out.stride(1),
-        max(meta.suffix_table.stride(0), 1),
-        *features, BLOCK_M=max(16, triton.next_power_of_2(gqa)), SPLITS=splits, **common,
-    )
+    _launch(_suffix_kernel, (num_seg, num_kv_heads * head_tiles, splits),
+            tiles.suffix_tiles(gqa, head_dim_k, head_dim_v), device,
+            query, k_cache, v_cache, pre_o, pre_lse, out, part_o, part_lse,
+            meta.q_start, meta.q_pos, meta.prompt_lens, meta.suffix_table,
+            query.stride(0), query.stride(1), *kv_strides, out.stride(0), out.stride(1),
+            max(meta.suffix_table.stride(0), 1),
+            *features, HEAD_TILES=head_tiles, PREFIX_SPLITS=kv_splits, SPLITS=splits, **common)
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,

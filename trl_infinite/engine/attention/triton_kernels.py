@@ -1,28 +1,41 @@
-"""Triton kernels of shared-prefix (cascade / Hydragen) paged decode attention.
+"""Triton kernels of shared-prefix (cascade / Hydragen) paged decode attention, split over KV positions.
 
 Decode attention of a query at position `q` over context positions `0..q` is split at the prompt boundary `P`:
 
     prefix:  positions [0, min(P, q+1)) in the group's shared prompt blocks
     suffix:  positions [P, q]          in the sample's own blocks
 
-and the two partial softmaxes are merged exactly by log-sum-exp. All samples of a group read the same prompt blocks,
+and the partial softmaxes are merged exactly by log-sum-exp. All samples of a group read the same prompt blocks,
 so `_prefix_kernel` loads each prompt KV tile ONCE per group and KV head and multiplies it against every query row of
-the group at once (rows = samples x query heads of that KV head, GQA): the prompt's KV bytes are read once per group
-instead of once per sample. `_suffix_kernel` then runs per sample over its own blocks, starting its online softmax
-from the prefix result, which is the log-sum-exp merge:
+the group (rows = samples x query heads of that KV head, GQA): the prompt's KV bytes are read once per group instead
+of once per sample. Flash-decoding style, the prompt is also cut into KV_SPLITS equal spans, one program each (a
+long prompt shared by one group would otherwise be walked by a handful of programs on a 100+ SM device); each span
+writes a normalised partial output and its log2-sum-exp. `_suffix_kernel` runs per sample (and per tile of its GQA
+heads) over its own blocks, split into SPLITS chunks; split 0 starts its online softmax from the merge of the
+prefix partials:
 
-    state after prefix: m = lse_prefix, l = 1, acc = o_prefix     (o = sum_j p_j v_j / l, lse = m + log2 l)
+    state after the prefix: m = max_z lse_z, l = sum_z 2^(lse_z - m), acc = sum_z o_z 2^(lse_z - m)
 
-For long own contexts with few (segment, KV head) programs, `_suffix_kernel` splits the own tokens into SPLITS
-chunks (flash-decoding split-K; split 0 carries the prefix) and `_merge_kernel` merges the partials by log-sum-exp.
+(o = sum_j p_j v_j / l, lse = m + log2 l). With SPLITS > 1, `_merge_kernel` merges the suffix partials.
 
 Scores are kept in log2 units so `exp2` can be used throughout: s = scale * <q, k> (natural units), soft-capped
 as `softcap * tanh(s / softcap)` when SOFTCAP, then multiplied by log2(e).
 
+Head dims of any width: keys are multiplied in DK_CHUNKS chunks of BLOCK_DK columns (576 = 9 x 64 for MLA's
+latent + rope keys, no padding to 1024), the query of one chunk reloaded per KV tile when there are several (it stays
+in L1); values are accumulated whole (BLOCK_DV = the next power of two), so the row tiles shrink as Dv grows.
+
+The dot products run in the dtype CAST selects: 0 the pool's (bf16 / fp16 use tensor cores; fp32 with PRECISION
+'ieee' or 'tf32'), 1 bf16, 2 fp16 (the autocast dtype, for an fp32 pool under autocast: tensor cores, and the
+rounding the model's own matmuls have), 3 fp32 'ieee' (Triton's CPU interpreter computes bf16 dots wrongly).
+
+`row_class` (the batch's size class, `triton_tiles.row_class`) is not read by the kernels: it is part of the
+autotuner's key, so a configuration timed at one row is not reused at 256.
+
 Layer features (`LayerAttention`): keys and values may have different widths (HEAD_DIM_K, HEAD_DIM_V: MLA); a
 sliding window / chunk gives each query a lowest visible position `lo` (`layer.first_visible`), so keys below it are
-masked and whole tiles below it skipped; attention sinks seed the prefix kernel's online softmax with one extra
-logit per head and no value (m = sink * log2(e), l = 1, acc = 0), which the log-sum-exp merge then carries through.
+masked and whole tiles below it skipped; attention sinks seed split 0 of the prefix with one extra logit per head and
+no value (m = sink * log2(e), l = 1, acc = 0), which the log-sum-exp merges then carry through.
 """
 
 from __future__ import annotations
@@ -51,20 +64,48 @@ def _lowest_visible(q_pos, window, chunk, HAS_WINDOW: tl.constexpr, HAS_CHUNK: t
 
 
 @triton.jit
+def _cast(x, CAST: tl.constexpr):
+    if CAST == 1:
+        x = x.to(tl.bfloat16)
+    elif CAST == 2:
+        x = x.to(tl.float16)
+    elif CAST == 3:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_q(q_ptr, q_row, q_mask, c, HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, CAST: tl.constexpr):
+    """Chunk c of the query rows: [M, BLOCK_DK] at element offsets `q_row` [M]."""
+    d = c * BLOCK_DK + tl.arange(0, BLOCK_DK)
+    q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=q_mask[:, None] & (d < HEAD_DIM_K)[None, :], other=0.0)
+    return _cast(q, CAST)
+
+
+@triton.jit
 def _tile_update(
-    q, k_ptr, v_ptr, k_slot, v_slot, kv_mask, dk, dk_mask, dv, dv_mask, valid, m_i, l_i, acc, scale, softcap,
-    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    q, q_ptr, q_row, q_mask, k_ptr, v_ptr, k_slot, v_slot, kv_mask, valid, m_i, l_i, acc, scale, softcap,
+    HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, DK_CHUNKS: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr, CAST: tl.constexpr,
 ):
-    """One online-softmax step of query rows `q` [M, Dk] against the KV tile whose K rows start at `k_ptr + k_slot`
-    and V rows at `v_ptr + v_slot` ([N] element offsets). `UPCAST` runs the two matmuls in fp32 (Triton's CPU
-    interpreter computes bfloat16 `tl.dot` wrongly)."""
-    k = tl.load(k_ptr + k_slot[:, None] + dk[None, :], mask=kv_mask[:, None] & dk_mask[None, :], other=0.0)  # [N, Dk]
-    v = tl.load(v_ptr + v_slot[:, None] + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)  # [N, Dv]
-    if UPCAST:
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N], natural units
+    """One online-softmax step of the query rows against the KV tile whose K rows start at `k_ptr + k_slot` and V
+    rows at `v_ptr + v_slot` ([N] element offsets). With one key chunk the rows' query is `q` [M, BLOCK_DK] (held
+    in registers), with several it is reloaded chunk by chunk from `q_ptr + q_row`."""
+    if DK_CHUNKS == 1:
+        d = tl.arange(0, BLOCK_DK)
+        k = tl.load(k_ptr + k_slot[:, None] + d[None, :], mask=kv_mask[:, None] & (d < HEAD_DIM_K)[None, :],
+                    other=0.0)  # [N, Dk]
+        s = tl.dot(q, tl.trans(_cast(k, CAST)), input_precision=PRECISION)  # [M, N]
+    else:
+        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for c in tl.static_range(DK_CHUNKS):
+            d = c * BLOCK_DK + tl.arange(0, BLOCK_DK)
+            k = tl.load(k_ptr + k_slot[:, None] + d[None, :], mask=kv_mask[:, None] & (d < HEAD_DIM_K)[None, :],
+                        other=0.0)
+            qc = _load_q(q_ptr, q_row, q_mask, c, HEAD_DIM_K, BLOCK_DK, CAST)
+            s = tl.dot(qc, tl.trans(_cast(k, CAST)), s, input_precision=PRECISION)
+    s = s * scale  # natural units
     if SOFTCAP:
         s = softcap * _tanh(s / softcap)
     s = tl.where(valid, s * LOG2E, float("-inf"))
@@ -73,59 +114,70 @@ def _tile_update(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    dv = tl.arange(0, BLOCK_DV)
+    v = _cast(tl.load(v_ptr + v_slot[:, None] + dv[None, :], mask=kv_mask[:, None] & (dv < HEAD_DIM_V)[None, :],
+                      other=0.0), CAST)  # [N, Dv]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _normalised(m_i, l_i, acc):
+    """(o, lse) of an online-softmax state: o = acc / l, lse = m + log2(l) (-inf where nothing was seen)."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
 
 
 @triton.jit
 def _prefix_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sinks_ptr,
     order_ptr, run_len_ptr, q_start_ptr, q_pos_ptr, prompt_lens_ptr, prefix_table_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_lt, stride_pt,
-    scale, softcap, window, chunk,
-    HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    GQA: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+    scale, softcap, window, chunk, row_class,
+    HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, DK_CHUNKS: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HEADS: tl.constexpr, GQA: tl.constexpr, PAGE: tl.constexpr,
+    KV_SPLITS: tl.constexpr, PRECISION: tl.constexpr, CAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (S, Hkv, splits). Program (i, h, z) works iff sorted position i starts a run of segments sharing one
-    prompt (`run_len[i] > 0`); it handles query-row tiles z, z + splits, ... of that run for KV head h.
-    Writes the normalised prefix output `o` [T, H, Dv] (fp32) and its log2-sum-exp `lse` [T, H] (sink included)."""
+    """Grid (S, Hkv, KV_SPLITS). Program (i, h, z) works iff sorted position i starts a run of segments sharing one
+    prompt (`run_len[i] > 0`): over the z-th of KV_SPLITS equal spans of the prompt (BLOCK_N-aligned), it handles
+    every row tile of the run for KV head h. Writes each row's normalised partial output to `o` [T, H, KV_SPLITS, Dv]
+    and its log2-sum-exp to `lse` [T, H, KV_SPLITS] (fp32; -inf for a span the row does not see; the sink in
+    split 0)."""
     i = tl.program_id(0)
     kvh = tl.program_id(1)
+    z = tl.program_id(2)
     n = tl.load(run_len_ptr + i)
     if n > 0:
         leader = tl.load(order_ptr + i)
         prompt_len = tl.load(prompt_lens_ptr + leader)
-        dk = tl.arange(0, BLOCK_DK)
-        dk_mask = dk < HEAD_DIM_K
-        dv = tl.arange(0, BLOCK_DV)
-        dv_mask = dv < HEAD_DIM_V
+        span = tl.cdiv(tl.cdiv(prompt_len, KV_SPLITS), BLOCK_N) * BLOCK_N
+        z_lo = z * span
+        z_hi = tl.minimum(z_lo + span, prompt_len)
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
+        dv = tl.arange(0, BLOCK_DV)
         rows_total = n * GQA
-        for m0 in range(tl.program_id(2) * BLOCK_M, rows_total, tl.num_programs(2) * BLOCK_M):
+        for m0 in range(0, rows_total, BLOCK_M):
             r = m0 + tl.arange(0, BLOCK_M)  # row = sample * GQA + head-in-group
             r_mask = r < rows_total
             seg = tl.load(order_ptr + i + r // GQA, mask=r_mask, other=0)
             head = kvh * GQA + r % GQA
             qi = tl.load(q_start_ptr + seg, mask=r_mask, other=0)
             q_pos = tl.load(q_pos_ptr + qi, mask=r_mask, other=-1)
-            q = tl.load(
-                q_ptr + qi[:, None] * stride_qt + head[:, None] * stride_qh + dk[None, :],
-                mask=r_mask[:, None] & dk_mask[None, :], other=0.0,
-            )
-            if HAS_SINKS:  # one extra logit per head in the denominator, no value
-                m_i = tl.where(r_mask, tl.load(sinks_ptr + head, mask=r_mask, other=0.0).to(tl.float32) * LOG2E,
-                               float("-inf"))
-                l_i = tl.where(r_mask, 1.0, 0.0)
-            else:
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
+            q_row = qi * stride_qt + head * stride_qh
+            q = _load_q(q_ptr, q_row, r_mask, 0, HEAD_DIM_K, BLOCK_DK, CAST)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            if HAS_SINKS:  # one extra logit per head in the denominator, no value (split 0 carries it)
+                sink = tl.load(sinks_ptr + head, mask=r_mask, other=0.0).to(tl.float32) * LOG2E
+                m_i = tl.where(r_mask & (z == 0), sink, m_i)
+                l_i = tl.where(r_mask & (z == 0), 1.0, l_i)
             acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
             lo = _lowest_visible(q_pos, window, chunk, HAS_WINDOW, HAS_CHUNK)  # [M]
-            end = tl.minimum(prompt_len, tl.max(q_pos) + 1)
-            start = (tl.min(tl.where(r_mask, lo, end)) // BLOCK_N) * BLOCK_N
+            end = tl.minimum(z_hi, tl.max(q_pos) + 1)
+            start = tl.maximum(z_lo, (tl.min(tl.where(r_mask, lo, end)) // BLOCK_N) * BLOCK_N)
             for n0 in range(start, end, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)
                 kv_mask = pos < end
@@ -133,57 +185,63 @@ def _prefix_kernel(
                 slot = blk * PAGE + pos % PAGE
                 valid = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= lo[:, None])
                 m_i, l_i, acc = _tile_update(
-                    q, k_base, v_base, slot * stride_ks, slot * stride_vs, kv_mask, dk, dk_mask, dv, dv_mask, valid,
-                    m_i, l_i, acc, scale, softcap, SOFTCAP, PRECISION, UPCAST,
+                    q, q_ptr, q_row, r_mask, k_base, v_base, slot * stride_ks, slot * stride_vs, kv_mask, valid,
+                    m_i, l_i, acc, scale, softcap, HEAD_DIM_K, BLOCK_DK, DK_CHUNKS, HEAD_DIM_V, BLOCK_DV, BLOCK_M,
+                    BLOCK_N, SOFTCAP, PRECISION, CAST,
                 )
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            out = acc / l_safe[:, None]
-            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(
-                o_ptr + qi[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :], out,
-                mask=r_mask[:, None] & dv_mask[None, :],
-            )
-            tl.store(lse_ptr + qi * stride_lt + head, lse, mask=r_mask)
+            out, lse = _normalised(m_i, l_i, acc)
+            part = (qi * NUM_HEADS + head) * KV_SPLITS + z  # [M] row of [T, H, KV_SPLITS]
+            tl.store(o_ptr + part[:, None] * HEAD_DIM_V + dv[None, :], out,
+                     mask=r_mask[:, None] & (dv < HEAD_DIM_V)[None, :])
+            tl.store(lse_ptr + part, lse, mask=r_mask)
 
 
 @triton.jit
 def _suffix_kernel(
-    q_ptr, k_ptr, v_ptr, o_pre_ptr, lse_pre_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, pre_o_ptr, pre_lse_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     q_start_ptr, q_pos_ptr, prompt_lens_ptr, suffix_table_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ph, stride_lt,
-    stride_outt, stride_outh, stride_st,
-    scale, softcap, window, chunk,
-    HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    GQA: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_outt, stride_outh, stride_st,
+    scale, softcap, window, chunk, row_class,
+    HEAD_DIM_K: tl.constexpr, BLOCK_DK: tl.constexpr, DK_CHUNKS: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HEADS: tl.constexpr, GQA: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_TILES: tl.constexpr, PREFIX_SPLITS: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    CAST: tl.constexpr, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid (S, Hkv, SPLITS). Program (s, h, z): the GQA query heads of KV head h of decode segment s over the z-th
-    of SPLITS equal chunks of the segment's visible own tokens (positions [max(P, lo), q]). Split 0 seeds its online
-    softmax with the prefix result (the log-sum-exp merge). With SPLITS == 1 it writes the output; otherwise the
-    normalised partial output [T, H, SPLITS, Dv] and its log2-sum-exp [T, H, SPLITS] for `_merge_kernel`."""
+    """Grid (S, Hkv * HEAD_TILES, SPLITS). Program (s, h * HEAD_TILES + t, z): query heads t * BLOCK_M .. of the GQA
+    heads of KV head h, decode segment s, over the z-th of SPLITS equal chunks of the segment's visible own tokens
+    (positions [max(P, lo), q]). Split 0 seeds its online softmax with the merged prefix partials. With SPLITS == 1
+    it writes the output; otherwise the normalised partial output [T, H, SPLITS, Dv] and its log2-sum-exp
+    [T, H, SPLITS] for `_merge_kernel`."""
     seg = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // HEAD_TILES
+    tile = tl.program_id(1) % HEAD_TILES
     split = tl.program_id(2)
     qi = tl.load(q_start_ptr + seg)
     q_pos = tl.load(q_pos_ptr + qi)
     prompt_len = tl.load(prompt_lens_ptr + seg)
-    dk = tl.arange(0, BLOCK_DK)
-    dk_mask = dk < HEAD_DIM_K
-    dv = tl.arange(0, BLOCK_DV)
-    dv_mask = dv < HEAD_DIM_V
-    g = tl.arange(0, BLOCK_M)
+    g = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     g_mask = g < GQA
     head = kvh * GQA + g
-    q = tl.load(q_ptr + qi * stride_qt + head[:, None] * stride_qh + dk[None, :],
-                mask=g_mask[:, None] & dk_mask[None, :], other=0.0)
-    rv_mask = g_mask[:, None] & dv_mask[None, :]
-    acc = tl.load(o_pre_ptr + qi * stride_pt + head[:, None] * stride_ph + dv[None, :], mask=rv_mask, other=0.0)
-    m_i = tl.load(lse_pre_ptr + qi * stride_lt + head, mask=g_mask, other=float("-inf"))
-    first = split == 0  # only split 0 carries the prefix
-    acc = tl.where(first, acc, 0.0)
-    m_i = tl.where(first, m_i, float("-inf"))
-    l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    q_row = qi * stride_qt + head * stride_qh
+    q = _load_q(q_ptr, q_row, g_mask, 0, HEAD_DIM_K, BLOCK_DK, CAST)
+    dv = tl.arange(0, BLOCK_DV)
+    rv_mask = g_mask[:, None] & (dv < HEAD_DIM_V)[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if split == 0:  # merge the prefix partials (only split 0 carries the prefix)
+        pre = (qi * NUM_HEADS + head) * PREFIX_SPLITS  # [M]
+        for z in range(PREFIX_SPLITS):
+            lse_z = tl.load(pre_lse_ptr + pre + z, mask=g_mask, other=float("-inf"))
+            m_new = tl.maximum(m_i, lse_z)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            w = tl.exp2(lse_z - m_safe)
+            o_z = tl.load(pre_o_ptr + (pre + z)[:, None] * HEAD_DIM_V + dv[None, :], mask=rv_mask, other=0.0)
+            acc = acc * alpha[:, None] + o_z * w[:, None]
+            l_i = l_i * alpha + w
+            m_i = m_new
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     n_own = q_pos + 1 - prompt_len  # own tokens up to the query (<= 0 for a prompt token)
@@ -198,18 +256,18 @@ def _suffix_kernel(
         slot = blk * PAGE + own % PAGE
         valid = g_mask[:, None] & kv_mask[None, :]
         m_i, l_i, acc = _tile_update(
-            q, k_base, v_base, slot * stride_ks, slot * stride_vs, kv_mask, dk, dk_mask, dv, dv_mask, valid,
-            m_i, l_i, acc, scale, softcap, SOFTCAP, PRECISION, UPCAST,
+            q, q_ptr, q_row, g_mask, k_base, v_base, slot * stride_ks, slot * stride_vs, kv_mask, valid,
+            m_i, l_i, acc, scale, softcap, HEAD_DIM_K, BLOCK_DK, DK_CHUNKS, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
+            SOFTCAP, PRECISION, CAST,
         )
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out, lse = _normalised(m_i, l_i, acc)
     if SPLITS == 1:
         tl.store(out_ptr + qi * stride_outt + head[:, None] * stride_outh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rv_mask)
     else:
-        row = (qi * GQA * tl.num_programs(1) + head) * SPLITS + split  # [T, H, SPLITS] contiguous
+        row = (qi * NUM_HEADS + head) * SPLITS + split  # [T, H, SPLITS] contiguous
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM_V + dv[None, :], out, mask=rv_mask)
-        tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit

@@ -1,0 +1,276 @@
+"""The CUDA-graph path of the static decoder, on the CPU stand-in for `torch.cuda.graph` (`graph_emulation`).
+
+Every capture/replay rule runs here without a GPU:
+- the warm-up before a capture leaves the live rows and the KV pool as they were (it used to run the step twice on
+  the live rows: every capture skipped two tokens of every running sample and could read past the block tables);
+- greedy output with graphs (captured, replayed) is token-identical to `model.generate` on Llama, Qwen3, Mistral
+  (sliding window), Gemma2 (soft-cap), gpt-oss (sinks, MoE) and Qwen3-MoE (bf16), with the Triton backend (CPU
+  interpreter), and with a compiled step;
+- buffers are static (no recapture within a call) while the batch switches buckets, samples are preempted and
+  rebuilt, and speculative verification forwards run between replays; sampled output equals graphs off;
+- parameters moved to new storage between calls are recaptured; rows beyond `cuda_graph_max_batch` run uncaptured;
+- a model whose step cannot be captured (MoE in fp32: ATen's grouped matmul reads its offsets on the host) is found
+  by the support check's trial capture and runs uncaptured, with a warning;
+- the emulator itself refuses what a CUDA capture refuses (host syncs, data-dependent shapes, host uploads, opaque
+  kernels, replay on moved storage).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _models import reference_greedy, tiny_model
+
+from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.cuda_graphs import CaptureError
+from trl_infinite.engine.graph_emulation import GraphEmulator, emulate_cuda_graphs
+from trl_infinite.engine.step_graphs import StepGraphs
+from trl_infinite.utils.tiny_configs import build_tiny_model
+
+BLOCK = 4
+PROMPTS = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]
+REFUSALS = ("host_sync", "dynamic_shape", "host_upload", "host_alloc", "untracked_output", "moved_storage")
+
+
+def _config(**kw) -> EngineConfig:
+    base = dict(sampling_mode="fixed_slot", max_active_sequences=3, kv_cache_tokens=512, block_size=BLOCK)
+    return EngineConfig(**{**base, **kw})
+
+
+def _engine(model, **kw) -> tuple[RolloutEngine, GraphEmulator]:
+    with emulate_cuda_graphs() as emu:
+        return RolloutEngine(model, _config(**kw)), emu
+
+
+def _moe(model_type: str, experts: str, dtype: torch.dtype = torch.float32):
+    model = build_tiny_model(model_type).to(dtype)
+    model.set_experts_implementation(experts)
+    return model
+
+
+MODELS = {
+    "llama": lambda: tiny_model("llama"),
+    "qwen3": lambda: tiny_model("qwen3"),
+    "mistral_window": lambda: build_tiny_model("mistral"),  # sliding window 6
+    "gemma2_softcap": lambda: build_tiny_model("gemma2"),
+    # gpt-oss in fp32 with transformers' batched expert matmul (static shapes: capturable)
+    "gpt_oss_sinks": lambda: _moe("gpt_oss", "batched_mm"),
+    "qwen3_moe_bf16": lambda: _moe("qwen3_moe", "grouped_mm", torch.bfloat16),
+}
+
+
+def test_warmup_before_capture_leaves_rows_and_pool_untouched(monkeypatch):
+    """Right before the capture the rows hold what the host uploaded, and the pool what the prefill wrote; the
+    warm-up and the capture itself (like a CUDA capture) leave both as they were."""
+    model = tiny_model("qwen3")
+    seen = []
+    original = StepGraphs._capture
+
+    def spy(self, args, run, record):
+        inputs, pool = args[0], self.pool  # the live rows' [token; position] view
+        before = (inputs.clone(), [k.clone() for k in pool.k_caches], [v.clone() for v in pool.v_caches])
+        captured = original(self, args, run, record)
+        seen.append(torch.equal(inputs, before[0]))
+        seen.append(all(torch.equal(k, b) for k, b in zip(pool.k_caches + pool.v_caches, before[1] + before[2])))
+        return captured
+
+    monkeypatch.setattr(StepGraphs, "_capture", spy)
+    engine, emu = _engine(model)
+    engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=10, temperature=0.0))
+    assert emu.counts["captures"] >= 2 and seen and all(seen), seen
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_graphs_are_token_identical_to_generate(name):
+    model = MODELS[name]()
+    refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
+    engine, emu = _engine(model)
+    result = engine.generate(PROMPTS, 3, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert result.completion_ids == [r for r in refs for _ in range(3)]
+    assert engine.decoder.use_graphs and emu.counts["captures"] >= 2 and emu.counts["replays"] >= 10
+    assert not any(emu.counts[k] for k in REFUSALS) and engine.decoder.graphs.recaptures == 0
+    assert result.stats.extra["cuda_graph_bytes"] == emu.pool_memory().reserved > 0
+
+
+@pytest.mark.parametrize("kw", [dict(attention_backend="triton"), dict(compile=True, compile_backend="aot_eager")],
+                         ids=["triton", "compiled"])
+def test_graphs_of_triton_kernels_and_compiled_steps(kw):
+    """The Triton cascade kernels (their launches are graph nodes) and a compiled step (its compiled graph called
+    without entering Dynamo) capture and replay token-identically."""
+    model = tiny_model("qwen3")
+    refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
+    engine, emu = _engine(model, **kw)
+    result = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert result.completion_ids == [r for r in refs for _ in range(2)]
+    assert engine.decoder.use_graphs and emu.counts["replays"] >= 10 and not any(emu.counts[k] for k in REFUSALS)
+
+
+def _sampled_pair(model, prompts, g, sampling, forced=None, **kw):
+    """(graphs on, graphs off) results of the same call, and the emulator."""
+    engine, emu = _engine(model, **kw)
+    on = engine.generate(prompts, g, sampling, forced_lengths=forced)
+    off = RolloutEngine(model, _config(cuda_graphs=False, **kw)).generate(prompts, g, sampling, forced_lengths=forced)
+    return on, off, engine, emu
+
+
+def _same(on, off) -> None:
+    assert on.completion_ids == off.completion_ids
+    for a, b in zip(on.logprobs, off.logprobs):  # a graph's table widths are bucketed: other padding, same values
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_bucket_switches_mid_rollout_sampled_identical():
+    """Samples finish one after another: the batch goes through buckets 8, 4, 2, 1 (one graph each, captured as
+    first needed, while other rows keep decoding); top-p sampling with a repetition penalty (seen marks advanced
+    by the step) equals graphs off."""
+    model = tiny_model("llama")
+    forced = [[2, 3, 4, 5, 6, 8, 11, 14]]
+    sampling = SamplingParams(max_new_tokens=14, temperature=1.0, top_p=0.9, repetition_penalty=1.2, seed=3)
+    on, off, engine, emu = _sampled_pair(model, [[5, 6, 7, 8, 9]], 8, sampling, forced, max_active_sequences=8)
+    _same(on, off)
+    buckets = {key[0] for key in engine.decoder.graphs.graphs}
+    assert buckets == {8, 4, 2, 1} and emu.counts["captures"] >= 4 and engine.decoder.graphs.recaptures == 0
+
+
+def test_preemption_and_rebuilds_between_replays():
+    """A pool too small for every sample: samples are preempted and recomputed into new blocks between replays
+    (their rows rewritten in the static buffers); output equals graphs off and `model.generate`."""
+    model = tiny_model("qwen3")
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    refs = [reference_greedy(model, p, 12, []) for p in prompts]
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0)
+    on, off, engine, emu = _sampled_pair(model, prompts, 3, sampling, kv_cache_tokens=(3 + 3 + 1) * BLOCK,
+                                         scheduler="fifo")
+    assert on.stats.preemptions > 0
+    assert on.completion_ids == off.completion_ids == [r for r in refs for _ in range(3)]
+    assert emu.counts["replays"] > 0 and engine.decoder.graphs.recaptures == 0
+
+
+def test_speculative_verify_steps_between_replays():
+    """Speculative decoding: verification forwards (eager, several tokens per row) alternate with captured plain
+    steps; the rows are rebuilt after each verification. Greedy output equals `model.generate`."""
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9]]
+    refs = [reference_greedy(model, p, 16, []) for p in prompts]
+    engine, emu = _engine(model, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=3,
+                          speculative_ngram_min_n=1)
+    result = engine.generate(prompts, 2, SamplingParams(max_new_tokens=16, temperature=0.0))
+    assert result.completion_ids == [r for r in refs for _ in range(2)]
+    assert result.stats.verify_steps > 0 and emu.counts["replays"] > 0
+
+
+def test_parameters_in_new_storage_are_recaptured():
+    """Between calls the parameters move (ZeRO-3 / FSDP gathers): the next call recaptures every graph (replaying
+    the old ones would read freed memory: the emulator refuses that) and follows the updated weights."""
+    model = tiny_model("qwen3")
+    engine, emu = _engine(model)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    engine.generate(PROMPTS, 1, sampling)
+    first = emu.counts["captures"]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data + torch.randn_like(p) * 0.5
+    out = engine.generate(PROMPTS, 1, sampling).completion_ids
+    assert out == [reference_greedy(model, p, 8, []) for p in PROMPTS]
+    assert emu.counts["captures"] > first and not emu.counts["moved_storage"]
+
+
+def test_batches_above_the_graph_limit_run_uncaptured():
+    model = tiny_model("qwen3")
+    refs = [reference_greedy(model, p, 6, []) for p in PROMPTS]
+    engine, emu = _engine(model, max_active_sequences=8, cuda_graph_max_batch=2)
+    result = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert result.completion_ids == [r for r in refs for _ in range(4)]
+    assert {key[0] for key in engine.decoder.graphs.graphs} <= {1, 2}  # the 8-row steps ran uncaptured
+
+
+def test_uncapturable_model_runs_uncaptured_with_a_warning(caplog):
+    """Qwen3-MoE in fp32: transformers' grouped expert matmul runs ATen's fallback, which copies the group offsets
+    to the host (on CUDA: "operation not permitted when stream is capturing"). The support check's trial capture
+    finds it, turns graphs off with a warning, and the engine still generates exactly."""
+    model = build_tiny_model("qwen3_moe")
+    refs = [reference_greedy(model, p, 6, []) for p in PROMPTS]
+    with caplog.at_level(logging.WARNING, logger="trl_infinite.engine.step_graphs"):
+        engine, emu = _engine(model)
+    assert not engine.decoder.use_graphs and emu.counts["host_sync"] == 1 and not emu.counts["captures"]
+    assert "_grouped_mm" in engine.decoder.graphs.failure and "cannot be captured" in caplog.text
+    result = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert result.completion_ids == [r for r in refs for _ in range(2)]
+
+
+# ------------------------------------------------------------------------------------------------ the emulator
+
+
+def _capture(fn):
+    emu = GraphEmulator()
+    with torch.inference_mode():
+        return emu, *emu.capture(fn)
+
+
+def test_emulator_replays_recorded_ops_on_the_same_buffers():
+    """Capture runs nothing for real (the written tensor is put back); replay re-runs the ops on the captured
+    buffers, output in the same static tensor; Python is not re-run (a host value read at capture stays frozen)."""
+    x = torch.arange(4.0)
+    state = torch.zeros(4)
+    scale = [2.0]
+
+    def step():
+        y = x * scale[0] + state
+        state.add_(1.0)
+        return y
+
+    emu, graph, out = _capture(step)
+    assert torch.equal(state, torch.zeros(4))  # the capture left no trace
+    scale[0] = 100.0  # a host value: frozen at capture, as in a CUDA graph
+    for i in range(3):
+        graph.replay()
+        assert torch.equal(out, x * 2.0 + i) and torch.equal(state, torch.full((4,), i + 1.0))
+    x.copy_(torch.ones(4))  # same buffer, new contents: seen by the replay
+    graph.replay()
+    assert torch.equal(out, torch.full((4,), 2.0 + 3.0))
+    assert emu.counts["captures"] == 1 and emu.counts["replays"] == 4
+    assert emu.pool_memory().reserved >= 2 * 4 * 4  # y and x * scale
+
+
+@pytest.mark.parametrize("kind, fn", [
+    ("host_sync", lambda x: x.sum().item()),
+    ("host_sync", lambda x: x.tolist()),
+    ("host_sync", lambda x: bool(x[0] > 0)),
+    ("dynamic_shape", lambda x: x.nonzero()),
+    ("dynamic_shape", lambda x: x[x > 1]),
+    ("dynamic_shape", lambda x: torch.repeat_interleave(x.long())),
+    ("host_upload", lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0])),
+], ids=["item", "tolist", "bool", "nonzero", "mask_index", "repeat_interleave", "torch_tensor"])
+def test_emulator_refuses_what_a_capture_refuses(kind, fn):
+    x = torch.arange(4.0)
+    emu = GraphEmulator()
+    with torch.inference_mode(), pytest.raises(CaptureError) as err:
+        emu.capture(lambda: fn(x))
+    assert err.value.kind == kind and emu.counts[kind] == 1 and not emu.counts["captures"]
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]  # host reads work again after the capture
+
+
+def test_emulator_refuses_outputs_of_unrecorded_kernels_and_moved_storage():
+    x = torch.arange(4.0)
+    emu = GraphEmulator()
+    with torch.inference_mode(), pytest.raises(CaptureError, match="untracked_output"):
+        emu.capture(lambda: _opaque(x))
+    w = torch.ones(4)
+    emu, graph, out = _capture(lambda: x * w)
+    w.data = torch.full((4,), 3.0)  # the graph would read the old storage
+    with pytest.raises(CaptureError, match="moved_storage"):
+        graph.replay()
+    assert emu.counts["moved_storage"] == 1
+
+
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    """A kernel outside the dispatcher: writes a fresh tensor through its data pointer (like a C++ wrapper)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        out = torch.empty(4)
+        out.copy_(x + 1)
+    return out
