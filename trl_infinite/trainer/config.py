@@ -62,8 +62,21 @@ class InfiniteGRPOConfig(GRPOConfig):
         },
     )
 
+    shared_prefix_training: bool = field(
+        default=True,
+        metadata={
+            "help": "Encode each group's prompt once in the training forward and backward instead of once per "
+            "completion (`trainer/shared_prefix.py`): the G rows of a prompt are packed into one sequence, each "
+            "completion attending to the shared prompt and to itself. Exact (same log-probs and gradients as TRL's "
+            "padded forward, up to float rounding); a model it cannot run exactly (checked once at start-up) "
+            "trains with TRL's forward, with a warning naming why."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.shared_prefix_training, bool):
+            raise ValueError(f"`shared_prefix_training` must be True or False, got {self.shared_prefix_training!r}.")
         if self.rollout_reward_executor not in REWARD_EXECUTORS:
             raise ValueError(
                 f"`rollout_reward_executor` must be one of {list(REWARD_EXECUTORS)}, got {self.rollout_reward_executor!r}."

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
+from accelerate.utils import is_peft_model
 from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
@@ -22,8 +23,11 @@ from .backprop import make_micro_batches
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
+from .logprobs import HeadSpec
+from .packing import pack_rows
 from .rollout import PromptRun, generate_rows, rollout_metrics, rollout_seed, trl_groups
 from .scoring import ChunkScorer
+from .shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
 from .streaming import StreamingRewards, StreamSlot
 
 
@@ -66,6 +70,25 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 self.engine_fallback_reasons.append(str(err))
         if self.engine_fallback_reasons:
             self._warn_fallback(stacklevel=3)
+        self.shared_prefix: SharedPrefixForward | None = None
+        self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
+        if getattr(self.args, "shared_prefix_training", False):
+            self._install_shared_prefix()
+
+    def _install_shared_prefix(self) -> None:
+        """The shared-prefix training forward on the policy (the module TRL gave its fused LM head), if the model
+        passes its support contract; otherwise TRL's forward, with one warning naming why."""
+        target = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        head = HeadSpec.from_model(target, self.temperature, self.args.cast_lm_head_to_fp32)
+        try:
+            self.shared_prefix = SharedPrefixForward.install(target, head, autocast=self.accelerator.autocast,
+                                                             outer=self.model)
+        except SharedPrefixUnsupported as err:
+            self.shared_prefix_reason = str(err)
+            warnings.warn(
+                f"InfiniteGRPOTrainer trains with TRL's padded forward (each prompt encoded once per completion) "
+                f"instead of the shared-prefix forward: {err}.", UserWarning, stacklevel=4,
+            )
 
     def _warn_fallback(self, stacklevel: int) -> None:
         warnings.warn(
@@ -202,6 +225,31 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if getattr(tok, "response_template", None) is not None or getattr(tok, "response_schema", None) is not None:
             return [parse_response(tok, ids, prefix=prompt_ids, tools=self.tools)]
         return [{"role": "assistant", "content": self.processing_class.decode(ids, skip_special_tokens=True)}]
+
+    # ------------------------------------------------------------------ training forward
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's per-token log-probs and entropies of the completion tokens ([B, C], zero where masked), from the
+        shared-prefix forward when it is installed on this model and the batch is text in TRL's layout; TRL's
+        own forward otherwise (multimodal inputs, the MoE auxiliary loss, the reference model)."""
+        forward = self.shared_prefix
+        layout = None
+        if (forward is not None and not compute_aux_loss and all(v is None for v in multimodal.values())
+                and self._policy_module(model) is forward.model):
+            layout = pack_rows(input_ids, attention_mask, logits_to_keep)
+        if layout is None or isinstance(layout, str):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )
+        with self.accelerator.autocast():
+            out = model(prefix_groups=forward.context(layout, entropy=compute_entropy))
+        return out.log_probs, (out.entropy if compute_entropy else None), None
+
+    def _policy_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The causal LM under `model`'s wrappers (DDP / FSDP / DeepSpeed, then PEFT)."""
+        inner = self.accelerator.unwrap_model(model)
+        return inner.get_base_model() if is_peft_model(inner) else inner
 
     # ------------------------------------------------------------------ micro-batched backprop
     def _prepare_inputs(self, generation_batch):
