@@ -71,6 +71,10 @@ class SharedPrefixForward:
         odd = sorted(str(o) for o in originals if o not in ORIGINALS and original_of(o) is None)
         if odd:
             raise SharedPrefixUnsupported(f"its attention implementation {odd[0]!r} is not one of {list(ORIGINALS)}")
+        head_module = model.get_output_embeddings()
+        if type(head_module) is not torch.nn.Linear:
+            raise SharedPrefixUnsupported(f"its LM head is a {type(head_module).__name__}, not a plain linear layer "
+                                          "(e.g. an adapter on `lm_head`), whose weight alone is not the projection")
         try:
             check_structure(outer if outer is not None else model)
             ids = probe_tokens(model_vocab_size(model), probe_length(model), next(model.parameters()).device)
