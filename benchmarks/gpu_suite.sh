@@ -49,18 +49,16 @@ if [ $DRY = 0 ]; then
     STEP_ARGS=(--active 32 128 --prompt-len 128 1024 --new-tokens 128 --eager-active 32 128 --kv-cache-gb 24)
     ATTN_ARGS=(--iters 50)
     SPEC_ARGS=(--kv-cache-tokens 40000)
-    TRAINER_ARGS=()
     PYTEST_ARGS=(--durations=15)
     LIMITS=(240 180 90 240 300 150 200 200)
 else
     MODEL=tiny; MAXNEW=16; PROMPT=8; G=4; SLOTS=4; MANY=2
     LENGTHS=(--mean 8 --sigma 0.6)
-    KV_THROUGHPUT=0.01; KV_MEMORY=0.01; MEMORY_G=(2 4 8); CB=(--cb-memory-percent 0.02)
+    KV_THROUGHPUT=0.01; KV_MEMORY=0.01; MEMORY_G=(2 4 8); CB=(--cb-memory-percent 0.05)
     STEP_ARGS=(--active 2 4 --prompt-len 8 16 --new-tokens 6 --eager-active 2 --kv-cache-gb 0.01)
     ATTN_ARGS=(--num-prompts 1 --group-size 2 --prompt-len 16 --own-len 8 --heads 4 --kv-heads 2 --head-dim 16
                --block-size 4 --iters 1)
     SPEC_ARGS=(--kv-cache-tokens 2000)
-    TRAINER_ARGS=(--tiny --device cpu --G 4 --micro-batch 2 --max-len 16 --prompt-len 8 --kv-gb 0.01)
     PYTEST_ARGS=(--collect-only)
     LIMITS=(300 300 300 300 300 300 300 300)
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
@@ -149,8 +147,8 @@ part3() {
         --group-sizes "$G" --temperatures 1 0 --methods none ngram suffix --adaptive on --eager-none \
         --max-new-tokens "$MAXNEW" --prompt-len "$PROMPT" "${LENGTHS[@]}" "${SPEC_ARGS[@]}" \
         --json "$OUT/speculative.json"
-    bench trainer_step "${LIMITS[7]}" "$PY" benchmarks/trainer_step.py "${TRAINER_ARGS[@]}" --steps 2 \
-        --json "$OUT/trainer_step.json"
+    bench grpo_step "${LIMITS[7]}" "$PY" benchmarks/grpo_step.py --model "$MODEL" --sizes "${G}x1@$MAXNEW" \
+        --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" "${CB[@]}" --steps 2 --json "$OUT/grpo_step.json"
 }
 
 for p in 1 2 3; do

@@ -7,8 +7,8 @@
 #
 # Why each wheel (the GPU image has torch 2.11, triton 3.6, transformers 5.17, accelerate 1.15, peft, pandas,
 # pyarrow, xxhash, fsspec, psutil, jinja2, but not trl or datasets):
-#   trl 1.16.0           TRL's GRPOConfig / GRPOTrainer / pad (rollout_bench's TRL paths, trainer_step)
-#   datasets 5.2.0       imported by trl's trainers and by trainer_step (Dataset.from_dict)
+#   trl 1.16.0           TRL's GRPOConfig / GRPOTrainer / pad (rollout_bench's TRL paths, grpo_step)
+#   datasets 5.2.0       imported by trl's trainers and by grpo_step (Dataset.from_dict)
 #   dill, multiprocess   datasets' own dependencies that the image lacks
 #   transformers 5.23.0  the version CI and every CPU test run on. The image's 5.17 also runs the suite's paths
 #                        (checked on CPU: the greedy, static-decode, step-hook and trainer tests pass and the three

@@ -56,18 +56,19 @@ def grpo_generation_config(
 
 
 class ForcedLengthLogitsProcessor(LogitsProcessor):
-    """Row b emits EOS exactly as its `targets[b]`-th token: EOS banned before, the only choice then."""
+    """Row b emits EOS exactly as its `targets[b]`-th token: EOS banned before, the only choice then. `eos_id`: one
+    id or several (all banned before the target; any of them may end the row at it)."""
 
-    def __init__(self, targets: list[int], prompt_width: int, eos_id: int, device: torch.device):
+    def __init__(self, targets: list[int], prompt_width: int, eos_id: int | list[int], device: torch.device):
         self.targets = torch.tensor(targets, device=device)  # [B]
         self.prompt_width = prompt_width
-        self.eos_id = eos_id
+        self.eos_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         step = input_ids.shape[1] - self.prompt_width  # tokens generated so far
         last = (self.targets - 1 == step)[:, None]  # [B, 1]
         is_eos = torch.zeros_like(scores, dtype=torch.bool)
-        is_eos[:, self.eos_id] = True
+        is_eos[:, self.eos_ids] = True
         scores = scores.masked_fill(is_eos & ~last, float("-inf"))
         return scores.masked_fill(~is_eos & last, float("-inf"))
 
