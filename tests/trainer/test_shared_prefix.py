@@ -98,8 +98,9 @@ def test_shared_prefix_forward_equals_trl_for_every_loss(tmp_path, tokenizer, da
     assert layout.num_tokens == 12 + 5 + int(inputs["completion_mask"].sum()) + 5  # each prompt once
     assert_close(got[0], want[0], "log-probs")
     assert_close(got[1], want[1], "entropies")
-    for loss_type in LOSSES:
+    for loss_type, quantile in [(loss, 1.0) for loss in LOSSES] + [("dapo", 0.5)]:
         ref.loss_type = ours.loss_type = loss_type
+        ref.top_entropy_quantile = ours.top_entropy_quantile = quantile  # 0.5: the loss on high-entropy tokens only
         want_loss, want_grads = loss_and_grads(ref, inputs)
         got_loss, got_grads = loss_and_grads(ours, inputs)
         assert_close(got_loss, want_loss, f"{loss_type} loss")
