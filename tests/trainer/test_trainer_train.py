@@ -124,3 +124,4 @@ def test_bf16_autocast_trains_through_the_engine(tmp_path, tokenizer, dataset):
     trainer.train()
     log = trainer.state.log_history[0]
     assert "rollout/decode_steps" in log and torch.isfinite(torch.tensor(log["loss"]))
+    assert trainer.uses_engine and trainer._engine.pool.dtype == torch.bfloat16

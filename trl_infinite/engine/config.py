@@ -75,10 +75,11 @@ class EngineConfig:
     )
     cpu_decode_kernel: bool = field(
         default=True,
-        metadata={"help": "On CPU with a float32 model, decode steps (eager and compiled) run their attention in one "
-                  "C++ kernel call per layer that reads the KV pool through the block tables "
-                  "(`engine/attention/cpu_decode.py`). It is built with the system's C++ compiler and ninja when the "
-                  "first such engine starts (about half a minute once per machine, then cached in "
+        metadata={"help": "On CPU with a float32 KV pool (float32 weights, no autocast), decode steps (eager and "
+                  "compiled) run their attention in one C++ kernel call per layer that reads the KV pool through the "
+                  "block tables (`engine/attention/cpu_decode.py`). It is built with the system's C++ compiler and "
+                  "ninja when the first engine that uses it starts, after the model passed the support checks and "
+                  "only if a layer's head dims suit it (about half a minute once per machine, then cached in "
                   "TORCH_EXTENSIONS_DIR); if it cannot be built, a warning and the torch path. False: always the "
                   "torch path. Ignored off CPU."},
     )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from .autocast import autocast_dtype, describe
 from .block_manager import blocks_for
 from .config import EngineConfig, SamplingParams
 from .eval_mode import eval_mode
@@ -34,6 +35,12 @@ class RolloutEngine:
     The KV pool is allocated once, at construction, from `config`'s budget and reused by every `generate` call.
     Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
     `ValueError` naming the unsupported feature otherwise. `generate` runs the model in eval mode.
+
+    Autocast: the engine runs the model under the autocast state it is built under (an enclosing `torch.autocast`,
+    and/or one the model's `forward` enters itself, as accelerate's mixed precision does), detected by the support
+    probe inside the forward (`autocast.py`): the KV pool is allocated in the autocast dtype (`pool.dtype`), the
+    exactness check runs and is judged in it, and `generate` must be called under the same enclosing autocast state
+    as the constructor (`ValueError` otherwise).
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None):
@@ -41,6 +48,7 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         param = next(model.parameters())
         self.device = param.device
+        self.autocast = autocast_dtype(self.device.type)  # the enclosing state every `generate` must match
         self.support = check_support(model, self.config.attention_backend, self.config.cpu_decode_kernel)
         self.vocab_size = model_vocab_size(model)
         reserve = 0
@@ -48,10 +56,10 @@ class RolloutEngine:
             reserve = static_step_bytes(model.config, self.config.max_active_sequences or 256)
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`)
-        self.pool = KVCachePool(self.support.kv, self.config, dtype=param.dtype, device=self.device,
+        self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
                                 reserve_bytes=reserve, allocate=False)
         self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers,
-                                  cpu_decode_kernel=self.config.cpu_decode_kernel)
+                                  cpu_decode_kernel=self.support.decode_kernel)
         self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
                                      compile_backend=self.config.compile_backend)
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -90,6 +98,16 @@ class RolloutEngine:
                 )
         return max_new
 
+    def _check_autocast(self) -> None:
+        now = autocast_dtype(self.device.type)
+        if now != self.autocast:
+            raise ValueError(
+                f"`generate` is called {describe(now)}, but the engine was built {describe(self.autocast)} (its "
+                f"exactness checked and its KV pool allocated in {str(self.pool.dtype).removeprefix('torch.')} "
+                "there): call `generate` under the autocast state the engine was built under, or build a new engine "
+                "under this one."
+            )
+
     def _lookahead_cap(self) -> int:
         return self.config.num_speculative_tokens if self.speculator is not None else 0
 
@@ -114,6 +132,7 @@ class RolloutEngine:
         `prompt_ids`: a list of token-id lists (a 2D integer tensor / array is converted); ids must lie in
         [0, vocab). The model runs in eval mode for the call and gets its previous mode back afterwards."""
         sampling = sampling or SamplingParams()
+        self._check_autocast()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
         with torch.inference_mode(), eval_mode(self.model):

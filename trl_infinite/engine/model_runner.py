@@ -16,7 +16,16 @@ from .attention import (
     resolve_backend,
     torch_paged_attention,
 )
-from .kv_pool import KVCachePool
+from .kv_pool import KVCachePool, KVLayout
+
+
+def decode_kernel_serves(device: torch.device, attention_backend: str, layers: dict[int, LayerSpec], kv: KVLayout,
+                         dtype: torch.dtype) -> bool:
+    """Whether the C++ CPU decode kernel would serve at least one layer of a model: CPU, the torch backend, and a
+    layer `cpu_decode.serves` (float32 pool, plain softmax, head dims of the vector width). Builds nothing."""
+    return (device.type == "cpu" and resolve_backend(attention_backend, device).attend is torch_paged_attention
+            and any(cpu_decode.serves(spec, kv.k_dims[spec.pool_index], kv.v_dims[spec.pool_index], dtype)
+                    for spec in layers.values()))
 
 
 class ModelRunner:
@@ -25,8 +34,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec],
                  cpu_decode_kernel: bool = False):
         """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`). `cpu_decode_kernel`:
-        on CPU with a float32 pool and the torch backend, decode forwards go through `attention/cpu_decode`'s C++
-        kernel where it covers the layer (built here on first use; if it cannot be built, the torch path)."""
+        decode forwards go through `attention/cpu_decode`'s C++ kernel where it serves the layer
+        (`decode_kernel_serves`; built here if no engine built it before; if it cannot be built, the torch path).
+        The engine passes `ModelSupport.decode_kernel`: True only once the kernel passed the exactness check."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -34,11 +44,19 @@ class ModelRunner:
         self.attend = self.backend.attend
         # every layer's decode attention is the kernel's (none falls back to the torch path)
         self.decode_kernel_everywhere = False
-        if (cpu_decode_kernel and self.device.type == "cpu" and pool.dtype == torch.float32
-                and self.backend.attend is torch_paged_attention and cpu_decode.build()):
+        if (cpu_decode_kernel and decode_kernel_serves(self.device, attention_backend, layers, pool.layout, pool.dtype)
+                and cpu_decode.build()):
             self.attend = cpu_decode.with_kernel(self.backend.attend)
             self.decode_kernel_everywhere = cpu_decode.covers(list(layers.values()), pool.layout.k_dims,
                                                               pool.layout.v_dims, pool.dtype)
+        # decode steps split each row's context at the prompt: the torch backend's cascade on CPU, fed the group slots
+        # by the static step, wherever a layer falls back to the torch path. (With a 16-bit pool its two flash calls
+        # round their partial outputs to 16 bits before the merge, a rounding order the model's single attention
+        # call does not have: within the 16-bit tolerance, and on the greedy benchmark of
+        # `benchmarks/autocast_exactness.py` as close to `generate` as the whole-context path, at 0.54x to 0.6x the
+        # decode step time on SmolLM2-135M's shape; see benchmarks/RESULTS.md.)
+        self.cascade_decode = (self.device.type == "cpu" and self.backend.gathers_columns
+                               and not self.decode_kernel_everywhere)
         self.layers = layers
         # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))

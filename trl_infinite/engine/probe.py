@@ -3,8 +3,9 @@
 `record_attention_calls(model, num_tokens)` runs `model(input_ids [1, N], position_ids, use_cache=False,
 paged_ctx=<recorder>)` with every attention config pointed at `PROBE_ATTENTION_NAME`, registered in transformers'
 `AttentionInterface` and (so the model builds its masks for it) in its mask interface, with the causal-skip
-shortcut disabled. Each call of the function is recorded: which module, the key / value shapes, whether the
-`paged_ctx` kwarg reached it, the other kwargs, and the boolean mask the model built for that layer. The function
+shortcut disabled. Each call of the function is recorded: which module, the key / value shapes and dtypes, the
+autocast state the call runs under (inside the model's own `forward`, so an autocast wrapper on `forward` counts),
+whether the `paged_ctx` kwarg reached it, the other kwargs, and the boolean mask the model built for that layer. The function
 computes ordinary masked attention from the model's own mask, so the forward proceeds as usual. `support.py` turns
 the record into a verdict.
 """
@@ -20,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .attention import attention_implementation
+from .autocast import autocast_dtype
 
 PROBE_ATTENTION_NAME = "trl_infinite_probe"
 
@@ -36,6 +38,9 @@ class AttentionCall:
     kwargs: dict  # the other kwargs with a value (None dropped)
     mask: torch.Tensor | None  # [N, N] bool (query x key) as the model built it, None if it passed none
     mask_per_head: bool = False  # the model's mask differs between heads or batch rows
+    key_dtype: torch.dtype = torch.float32
+    value_dtype: torch.dtype = torch.float32
+    autocast: torch.dtype | None = None  # autocast's dtype during the call (None: off)
 
     @property
     def layer_idx(self) -> int | None:
@@ -77,7 +82,8 @@ def _probe_attention(module, query, key, value, attention_mask, paged_ctx=None, 
     record.calls.append(AttentionCall(
         module=module, query_heads=query.shape[1], key_shape=tuple(key.shape), value_shape=tuple(value.shape),
         got_context=paged_ctx is record, kwargs={k: v for k, v in kwargs.items() if v is not None},
-        mask=mask, mask_per_head=per_head,
+        mask=mask, mask_per_head=per_head, key_dtype=key.dtype, value_dtype=value.dtype,
+        autocast=autocast_dtype(query.device.type),
     ))
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads == 0:

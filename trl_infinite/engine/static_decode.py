@@ -79,10 +79,9 @@ class StaticDecoder:
         # in use
         self.full_tables = not runner.backend.gathers_columns
         # only the torch backend's cascade decode on CPU reads the group slots (see `metadata.with_context`), and not
-        # where the C++ kernel serves every layer (`attention/cpu_decode.py`); elsewhere the step passes no group
-        # tables, so no slot bucket multiplies the compiled graphs
-        self.cascade_slots = (not self.full_tables and self.device.type == "cpu"
-                              and not runner.decode_kernel_everywhere)
+        # where the C++ kernel serves every layer (`attention/cpu_decode.py`; `ModelRunner.cascade_decode`);
+        # elsewhere the step passes no group tables, so no slot bucket multiplies the compiled graphs
+        self.cascade_slots = runner.cascade_decode
         self.rows: DecodeRows | None = None
         self.sampler: Sampler | None = None
         self.want_hidden = False

@@ -10,27 +10,38 @@
    `paged_ctx` kwarg reaching it; that every decoder layer has such a module; that every kwarg the model passes is
    one the engine implements (scale, sliding window, soft-cap, sinks); that the mask the model builds for each layer
    is the causal / sliding-window / chunked pattern the engine reproduces. The K / V shapes seen give the pool's
-   per-layer widths (`KVLayout`: MQA, GQA, MLA's K wider than V);
+   per-layer widths (`KVLayout`: MQA, GQA, MLA's K wider than V), and the dtypes and autocast state seen inside the
+   forward give the pool's dtype (`ModelSupport.kv_dtype`: the autocast dtype under autocast, see `autocast.py`);
 3. exactness (`exactness.py`): a prompt prefilled into a small pool and three tokens decoded one at a time through
    the selected attention backend give the logits of the model's own forward.
 
-Any failure raises `ValueError` naming the model type, the unsupported feature and what to use instead.
+Any failure raises `ValueError` naming the model type, the unsupported feature and what to use instead. Only then,
+and only where it would serve a layer (CPU, torch backend, float32 pool, head dims of its vector width), the C++
+decode kernel is built (`attention/cpu_decode.py`, half a minute once per machine) and the exactness check is run
+again through it (`ModelSupport.decode_kernel`); a kernel that fails it is left out with a warning (the torch path
+already passed).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import LayerSpec, allowed
+from .attention import LayerSpec, allowed, cpu_decode
+from .autocast import describe
 from .eval_mode import eval_mode
 from .exactness import exactness_problem
 from .inputs import model_vocab_size
 from .kv_pool import KVLayout
+from .model_runner import decode_kernel_serves
 from .probe import AttentionCall, ProbeRecord, probe_tokens, record_attention_calls
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 STATELESS_LAYER_TYPES = ("mlp", "moe")
@@ -53,10 +64,18 @@ MAX_PROBE_TOKENS = 512  # the probe grows to show a window / chunk of the config
 
 @dataclass(frozen=True)
 class ModelSupport:
-    """What the contract found: the pool layout and one `LayerSpec` per attention `layer_idx`."""
+    """What the contract found: the pool layout and one `LayerSpec` per attention `layer_idx`; the dtype the pool
+    stores K/V in (`kv_dtype`: the dtype the model's attention consumes them in, the autocast dtype under autocast);
+    the dtype its logits are computed in (`compute_dtype`: the autocast dtype, else the parameters', which sets the
+    exactness tolerance); the autocast dtype its forward runs under (None: off); whether decode attention runs
+    through the C++ CPU kernel (built and checked exact on this model)."""
 
     kv: KVLayout
     layers: dict[int, LayerSpec]
+    kv_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    autocast: torch.dtype | None = None
+    decode_kernel: bool = False
 
 
 def model_name(model: torch.nn.Module) -> str:
@@ -89,17 +108,34 @@ def text_config(model: torch.nn.Module):
 
 def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_decode_kernel: bool = False
                   ) -> ModelSupport:
-    """Run the three checks of the module docstring; return the layout or raise `ValueError`. The exactness check
-    runs the attention path the engine will run (`cpu_decode_kernel`: see `ModelRunner`)."""
+    """Run the three checks of the module docstring under the caller's autocast state; return what they found or
+    raise `ValueError`. `cpu_decode_kernel`: use the C++ decode kernel where it serves, built only after the checks
+    passed and checked exact itself (`ModelSupport.decode_kernel`)."""
     with eval_mode(model):
         check_structure(model)
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
         support = verdict(model, record_attention_calls(model, ids))
-        problem = exactness_problem(model, support, attention_backend, ids, cpu_decode_kernel)
+        problem = exactness_problem(model, support, attention_backend, ids)
         if problem is not None:
             raise refusal(model, problem)
+        if cpu_decode_kernel and decode_kernel_serves(param.device, attention_backend, support.layers, support.kv,
+                                                      support.kv_dtype):
+            support = replace(support, decode_kernel=_kernel_checked(model, support, attention_backend, ids))
     return support
+
+
+def _kernel_checked(model, support: ModelSupport, attention_backend: str, ids: torch.Tensor) -> bool:
+    """Build the C++ decode kernel (once per machine) and run the exactness check through it: False, with a warning,
+    when it cannot be built or does not reproduce the model (decode then takes the torch path, checked already)."""
+    if not cpu_decode.build():
+        return False
+    problem = exactness_problem(model, support, attention_backend, ids, cpu_decode_kernel=True)
+    if problem is not None:
+        logger.warning("The CPU decode-attention kernel does not reproduce %s (%s); its decode steps use the torch "
+                       "attention path.", model_name(model), problem)
+        return False
+    return True
 
 
 def probe_length(model: torch.nn.Module) -> int:
@@ -153,7 +189,26 @@ def verdict(model: torch.nn.Module, record: ProbeRecord) -> ModelSupport:
              for i, c in enumerate(ordered)}
     kv = KVLayout(tuple(c.key_shape[1] for c in ordered), tuple(c.key_shape[3] for c in ordered),
                   tuple(c.value_shape[3] for c in ordered))
-    return ModelSupport(kv=kv, layers=specs)
+    kv_dtype, autocast = _dtypes(model, calls)
+    param_dtype = next(model.parameters()).dtype
+    return ModelSupport(kv=kv, layers=specs, kv_dtype=kv_dtype, compute_dtype=autocast or param_dtype,
+                        autocast=autocast)
+
+
+def _dtypes(model, calls: list[AttentionCall]) -> tuple[torch.dtype, torch.dtype | None]:
+    """(pool dtype, autocast dtype or None). Under autocast the model's attention (SDPA, matmul: ops on autocast's
+    list) consumes K and V in the autocast dtype whatever dtype they arrive in (float32 after a float32 norm or
+    RoPE table), so the pool stores them in it, losing nothing the model's own attention keeps. Without autocast,
+    the dtype K and V arrive in (the wider of the two)."""
+    states = {c.autocast for c in calls}
+    if len(states) > 1:
+        found = ", ".join(sorted(describe(s) for s in states))
+        raise refusal(model, f"its attention layers run under different autocast states ({found}); the engine keeps "
+                      "one KV pool dtype for all layers")
+    autocast = states.pop()
+    if autocast is not None:
+        return autocast, autocast
+    return functools.reduce(torch.promote_types, (d for c in calls for d in (c.key_dtype, c.value_dtype))), None
 
 
 def _check_calls(model, calls: list[AttentionCall]) -> None:

@@ -49,12 +49,11 @@ class DraftModelDrafter(Drafter):
         tokens = config.kv_cache_tokens or config.default_cpu_kv_tokens
         pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=config.block_size,
                                 attention_backend=config.attention_backend)
-        dtype = next(draft_model.parameters()).dtype
-        # the draft model runs on a pool too, on the target's attention path
+        # the draft model runs on a pool too, on the target's attention path (in the dtype it computes in)
         support = check_support(draft_model, config.attention_backend, config.cpu_decode_kernel)
-        self.pool = KVCachePool(support.kv, pool_cfg, dtype=dtype, device=device)
+        self.pool = KVCachePool(support.kv, pool_cfg, dtype=support.kv_dtype, device=device)
         self.runner = ModelRunner(draft_model, self.pool, config.attention_backend, support.layers,
-                                  cpu_decode_kernel=config.cpu_decode_kernel)
+                                  cpu_decode_kernel=support.decode_kernel)
         self.sampler = Sampler(sampling)
         self.seed = sampling.seed
         self.device = device

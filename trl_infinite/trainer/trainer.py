@@ -106,10 +106,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             )
 
     def _warn_fallback(self, stacklevel: int) -> None:
+        reasons = "; ".join(r.rstrip(". ") for r in self.engine_fallback_reasons)
         warnings.warn(
-            "InfiniteGRPOTrainer generates with TRL's own path (transformers `generate`) instead of the rollout "
-            f"engine: {'; '.join(self.engine_fallback_reasons)}. Streamed rewards and length-bucketed micro "
-            "batches still apply.",
+            "InfiniteGRPOTrainer generates with TRL's own path (transformers `generate`, rewards scored after "
+            f"generation) instead of the rollout engine for the rest of this run: {reasons}.",
             UserWarning,
             stacklevel=stacklevel,
         )
@@ -156,7 +156,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 stream.add(row, ids)
 
         try:
-            with profiling_context(self, "rollout_engine.generate"), self._generation_model() as model:
+            # under the autocast of TRL's training forwards (`accelerator.autocast()`: bf16 / fp16 mixed precision,
+            # which the prepared model's `forward` also enters): the engine is built, checked and run under it
+            with (profiling_context(self, "rollout_engine.generate"), self._generation_model() as model,
+                  self.accelerator.autocast()):
                 config = effective_generation_config(model, self.generation_config)
                 sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed)
                 engine = self._get_engine(model)

@@ -64,7 +64,12 @@ def paged_attention_forward(
     meta = paged_ctx.meta
     k_cache, v_cache = paged_ctx.k_caches[spec.pool_index], paged_ctx.v_caches[spec.pool_index]
     key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    # under autocast K and V may come in different dtypes (e.g. V from a bf16 matmul, K promoted by fp32 RoPE)
+    # The pool holds the dtype the model's attention computes in (`ModelSupport.kv_dtype`); every backend gets query,
+    # keys and values in it. Under autocast that is the autocast dtype: Q and K may arrive in float32 (promoted by a
+    # float32 norm weight or RoPE table) and V in bf16, and the model's own SDPA / matmul would cast all three to
+    # bf16, so the same casts here give the same inputs (and keep the C++ float32 kernel and the cascade's flash
+    # call, which autocast does not cast, off float32 / mixed inputs). Without autocast these are no-ops.
+    query = query.to(k_cache.dtype)
     key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, key)
     v_cache.index_copy_(0, meta.slot_mapping, value)

@@ -14,13 +14,20 @@ head:
 in float32. Keys are taken `T` at a time (T = the vector width) and transposed so that the products over the head
 dimension run as vector FMAs across keys; values are accumulated in vector registers.
 
-It is built with `torch.utils.cpp_extension.load_inline` when an engine with a float32 pool starts on CPU
-(`EngineConfig.cpu_decode_kernel`, on by default; the build takes about half a minute once per machine and is
-cached on disk, `TORCH_EXTENSIONS_DIR`), and registered as `torch.ops.trl_infinite.paged_decode_attention`: eager
-forwards call it through the dispatcher, the compiled step through inductor's C++ wrapper. `with_kernel` puts it in
-front of the torch backend; it covers decode calls of float32 layers without soft-capping or sinks whose head
-dimensions are multiples of the vector width, and every other call keeps the torch reference path. A failed build
-is logged once and changes nothing but speed.
+It is built with `torch.utils.cpp_extension.load_inline` when a CPU engine starts whose model passed the support
+checks and has a layer the kernel serves (`serves`: float32 pool, no soft-capping or sinks, head dimensions that are
+multiples of the vector width, known from the CPU's capability before building); the build takes about half a
+minute once per machine and is cached on disk (`TORCH_EXTENSIONS_DIR`). `EngineConfig.cpu_decode_kernel` (on by
+default) turns it off. It is registered as `torch.ops.trl_infinite.paged_decode_attention`: eager forwards call it
+through the dispatcher, the compiled step through inductor's C++ wrapper. `with_kernel` puts it in front of the torch
+backend; every call it does not cover keeps the torch reference path. A failed build is logged once and changes
+nothing but speed.
+
+A 16-bit pool (16-bit weights, or float32 weights under autocast, `engine/autocast.py`) keeps the torch path, which
+computes in the 16-bit dtype as the model's own attention does (16-bit inputs and probabilities, 16-bit output);
+this kernel would compute such a layer in float32, a different precision than the model's (under bf16 autocast on
+a tiny Qwen3 its logits came out one bf16 step, 3.5e-3 relative, off the model's, and the engine was refused at the
+float32 tolerance). A 16-bit variant is not written.
 """
 
 from __future__ import annotations
@@ -199,6 +206,11 @@ _ISA_FLAGS = {
 _vector_floats = 0
 
 
+def vector_floats() -> int:
+    """Floats per vector of the kernel as it is (or would be) built on this CPU, known without building it."""
+    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+
+
 @functools.cache
 def build() -> bool:
     """Compile and register the operator once per process (the build itself is cached on disk). False, with one
@@ -224,13 +236,20 @@ def build() -> bool:
                   window, chunk):
             return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[2])
 
-    _vector_floats = 16 if isa == "AVX512" else 8
+    _vector_floats = vector_floats()
     return True
 
 
 def _fits(dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
     """Built (`build`), float32, and head dims that are multiples of the build's vector width."""
     return _vector_floats > 0 and dtype == torch.float32 and all(d % _vector_floats == 0 for d in dims)
+
+
+def serves(spec: LayerSpec, k_dim: int, v_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel would serve the decode attention of a layer with a pool of `dtype` (checked before any
+    build: plain softmax, float32, head dims that are multiples of `vector_floats`)."""
+    width = vector_floats()
+    return not spec.needs_scores and dtype == torch.float32 and k_dim % width == 0 and v_dim % width == 0
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention) -> bool:
