@@ -94,6 +94,9 @@ class SharedPrefixForward:
                 problem = forward.check(ids)
         except Exception as exc:  # noqa: BLE001  (a failing probe forward is a refusal, named)
             problem = f"the packed forward failed ({type(exc).__name__}: {str(exc)[:200]})"
+        except BaseException:  # interrupted: leave the model as it was
+            forward.uninstall()
+            raise
         if problem is not None:
             forward.uninstall()
             raise SharedPrefixUnsupported(problem)
