@@ -8,6 +8,7 @@ from _models import tiny_model
 
 from trl_infinite import EngineConfig, KVCachePool, RolloutEngine, SamplingParams
 from trl_infinite.engine.block_manager import BlockAllocator, blocks_for
+from trl_infinite.engine.kv_pool import pool_size
 
 BLOCK = 4
 PROMPT_LEN = 10  # 3 blocks of 4 (the last one partial), shared by all samples of the prompt
@@ -62,6 +63,37 @@ def test_pool_is_sized_from_tokens_or_gigabytes(model):
     assert cache_bytes == 10 * pool.block_bytes  # K and V (null block included) fill exactly the budget
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_pool_sized_per_call_and_released_after_it(model, release):
+    """Each call allocates what it can use (prompts + the slots' completions, rounded up by at most 12.5%), never
+    above the budget; with `kv_cache_release` (the default) the tensors are gone after the call, otherwise kept and
+    reused by the next call of the same size."""
+    engine = RolloutEngine(model, EngineConfig(sampling_mode="fixed_slot", max_active_sequences=SLOTS,
+                                               kv_cache_tokens=4096, block_size=BLOCK, kv_cache_release=release))
+    assert engine.pool.allocated_bytes == 0  # nothing held before the first call
+    during = []
+
+    def on_step(batch, seconds):
+        during.append((engine.pool.num_blocks, engine.pool.allocated_bytes, engine.pool.k_caches[0].data_ptr()))
+
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=0)
+    need = NUM_PROMPTS * PROMPT_BLOCKS + SLOTS * blocks_for(MAX_NEW, BLOCK)
+    for _ in range(2):
+        engine.generate(_prompts(), 16, sampling, forced_lengths=_lengths(16), on_decode_step=on_step)
+        assert (engine.pool.allocated_bytes == 0) == release
+    blocks, held, _ = during[0]
+    assert blocks == pool_size(need) < 4096 // BLOCK and need <= blocks <= need * 1.125
+    assert held == (blocks + 1) * engine.pool.block_bytes
+    if not release:  # kept: the second call reuses the same tensors
+        assert len({p for _, _, p in during}) == 1
+
+
+def test_pool_size_rounding():
+    assert [pool_size(n) for n in (1, 8, 9, 16, 17, 100, 1000)] == [1, 8, 9, 16, 18, 104, 1024]
+    for n in range(1, 5000):
+        assert n <= pool_size(n) <= max(n * 1.125, n + 1) and pool_size(pool_size(n)) == pool_size(n)
+
+
 def test_allocator_free_list_and_refcounts():
     alloc = BlockAllocator(num_blocks=5, block_size=4)
     a = alloc.allocate(3)
@@ -102,8 +134,10 @@ def test_full_group_peak_grows_linearly_with_group_size(model):
 def test_peak_never_exceeds_a_small_pool(model, mode):
     """G = 64 under a 24-block pool: every mode completes every sample within the pool."""
     stats = _run(model, mode, 64, kv_tokens=25 * BLOCK)  # 24 usable blocks + the null block
-    assert stats.num_kv_blocks == 24
-    assert stats.peak_kv_blocks <= 24
+    # the call's pool: what it can use (the slots' modes need less than the budget), never above the budget
+    assert stats.num_kv_blocks == (24 if mode in ("dynamic_slot", "full_group") else
+                                   min(24, pool_size(NUM_PROMPTS * PROMPT_BLOCKS + SLOTS * blocks_for(MAX_NEW, BLOCK))))
+    assert stats.peak_kv_blocks <= stats.num_kv_blocks
     if mode == "fixed_slot":
         assert stats.peak_active_sequences == SLOTS
 

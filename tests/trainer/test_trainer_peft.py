@@ -73,3 +73,25 @@ def test_engine_refuses_prompt_learning_models_clearly():
     model = peft.get_peft_model(tiny_model("qwen3"), PROMPT_LEARNING["prompt_tuning"]())
     with pytest.raises(ValueError, match="virtual tokens"):
         RolloutEngine(model, EngineConfig(kv_cache_tokens=256))
+
+
+@pytest.mark.parametrize("method", list(ADAPTERS))
+def test_adapters_train_with_the_shared_prefix_forward(tmp_path, tokenizer, dataset, method):
+    """The loss's forward of an adapted model is the shared-prefix one, through the adapters: its log-probs equal the
+    PEFT model's own padded forward (adapters made non-trivial first)."""
+    trainer = peft_trainer(tmp_path, tokenizer, dataset, ADAPTERS[method]())
+    assert trainer.shared_prefix is not None, trainer.shared_prefix_reason
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name or "ia3_l" in name:
+                p.normal_(0, 0.5) if "lora_B" in name else p.uniform_(0.0, 3.0)
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    ids = torch.tensor([prompt + [5, 6, 7], prompt + [8, 9, 0]])
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0
+    got, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
+    logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, -4:-1].float() / trainer.temperature
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, -3:, None])[..., 0] * mask[:, -3:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+

@@ -21,6 +21,8 @@ def force_script(model, prompt_len: int, script: list[int], after: int) -> None:
     `after` beyond the script: the model 'calls the tool', then ends every later turn at once."""
 
     def capture(module, args, kwargs):
+        if module.training:  # the loss's forward (e.g. the shared-prefix one, with its own inputs): not biased
+            return
         positions = kwargs.get("position_ids")
         if positions is None:  # a plain forward (the engine's exactness check): positions 0 .. T-1
             ids = kwargs.get("input_ids", args[0] if args else None)

@@ -23,8 +23,9 @@ class EngineConfig:
     """How the rollout engine runs.
 
     The KV budget is given either as a token count (`kv_cache_tokens`) or in gigabytes (`kv_cache_gb`); with neither,
-    the engine takes `kv_cache_fraction` of the free accelerator memory on CUDA and `default_cpu_kv_tokens` on CPU.
-    The pool is allocated once from that budget and never grows.
+    the engine takes `kv_cache_fraction` of the free accelerator memory on CUDA (read at each call) and
+    `default_cpu_kv_tokens` on CPU. Each `generate` call allocates the pool it can use, never more than the budget,
+    and releases it at the end (`kv_cache_release`).
     """
 
     sampling_mode: str = field(
@@ -44,6 +45,14 @@ class EngineConfig:
                   "graphs, an estimate of the captured decode step's memory is taken out of it first)."},
     )
     default_cpu_kv_tokens: int = field(default=65536, metadata={"help": "KV pool tokens on CPU with no budget set."})
+    kv_cache_release: bool = field(
+        default=True,
+        metadata={"help": "Release the KV pool at the end of each `generate` call (its memory goes back to the "
+                  "allocator, e.g. for the training step between two rollouts); each call allocates the pool it can "
+                  "use (its prompts and the completions of the samples that can run together, rounded up by at most "
+                  "12.5%), never above the budget. False: the pool is kept between calls (grown when a call needs "
+                  "more, up to the budget): no re-allocation, and on CUDA no re-capture of the decode graphs."},
+    )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
     max_prefill_tokens: int = field(
         default=4096, metadata={"help": "Most prompt/recompute tokens run through the model in one prefill forward."}
@@ -221,7 +230,7 @@ class EngineConfig:
         integer("block_size", self.block_size)
         integer("max_prefill_tokens", self.max_prefill_tokens)
         integer("cuda_graph_max_batch", self.cuda_graph_max_batch)
-        for name in ("cuda_graphs", "compile", "cpu_decode_kernel"):
+        for name in ("cuda_graphs", "compile", "cpu_decode_kernel", "kv_cache_release"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.compile:

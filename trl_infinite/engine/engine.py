@@ -15,7 +15,7 @@ from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
 from .history import PromptHistory, remember_visits
 from .inputs import check_eos, check_prompts, model_vocab_size
-from .kv_pool import KVCachePool
+from .kv_pool import KVCachePool, pool_size
 from .logits import GenerationProcessors
 from .loop import StepTimer, drive
 from .model_guard import model_guard
@@ -60,14 +60,21 @@ class RolloutEngine:
         reserve = 0
         if self.device.type == "cuda" and self.config.cuda_graphs:
             reserve = static_step_bytes(model.config, graph_rows)
+        # sized for each call from what it needs (never above the budget) and released after it unless
+        # `kv_cache_release=False` (`_generate`)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
-                                reserve_bytes=reserve)
+                                reserve_bytes=reserve, allocate=False)
         self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel)
         self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
                                      compile_backend=self.config.compile_backend, max_graph_rows=graph_rows)
-        with torch.inference_mode(), eval_mode(model):
-            self.decoder.check_capture()  # a step that cannot be captured turns graphs off here, with a warning
+        if self.decoder.use_graphs:  # a step that cannot be captured turns graphs off here, with a warning
+            with torch.inference_mode(), eval_mode(model):
+                self.pool.open(1)  # the trial capture writes the null block of a one-block pool
+                try:
+                    self.decoder.check_capture()
+                finally:
+                    self.pool.release()
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
         self.history = PromptHistory(
@@ -93,7 +100,7 @@ class RolloutEngine:
             max_new = self.max_model_len - max(len(p) for p in prompt_ids)
             if max_new < 1:
                 raise ValueError("a prompt fills the model's `max_position_embeddings`: no room to generate.")
-        bs, pool_blocks = self.config.block_size, self.pool.num_blocks
+        bs, pool_blocks = self.config.block_size, self.pool.budget_blocks()
         for i, p in enumerate(prompt_ids):
             need = blocks_for(len(p), bs) + blocks_for(max_new + self._lookahead_cap(), bs)
             if need > pool_blocks:
@@ -168,7 +175,25 @@ class RolloutEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
         groups = self._make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths)
         seqs = [s for g in groups for s in g.samples]
-        self.pool.reset()
+        cfg = self.config
+        try:
+            self.pool.open(pool_size(self._need_blocks(groups, max_new)))
+            return self._run_call(groups, seqs, sampling, max_new, start, on_sample_finished, on_decode_step)
+        finally:
+            if cfg.kv_cache_release:
+                self.pool.release()
+
+    def _need_blocks(self, groups: list[Group], max_new: int) -> int:
+        """Most blocks the call can hold at once: every prompt's blocks, and the completion blocks of every sample
+        that can be live together (the slots, or all samples when there are no slots or divided rollout parks
+        samples with their KV)."""
+        cfg, bs = self.config, self.config.block_size
+        samples = sum(g.num_generations for g in groups)
+        live = samples if cfg.slot_limit is None or cfg.chunk_tokens is not None else min(samples, cfg.slot_limit)
+        own = blocks_for(max_new + self._lookahead_cap(), bs)
+        return sum(blocks_for(g.prompt_len, bs) for g in groups) + live * own
+
+    def _run_call(self, groups, seqs, sampling, max_new, start, on_sample_finished, on_decode_step) -> RolloutResult:
         cfg = self.config
         policy, admission = policies_from_config(cfg, self.predictor)
         scheduler = Scheduler(

@@ -44,6 +44,15 @@ class KVLayout:
         return cls.uniform(*kv_geometry(model_config))
 
 
+def pool_size(need_blocks: int) -> int:
+    """`need_blocks` rounded up to 8 steps per power of two (at most 12.5% more), so calls of similar size get pools
+    of the same size: a held pool is reused, and compiled decode steps see the same shapes."""
+    if need_blocks <= 8:
+        return max(1, need_blocks)
+    step = 1 << (need_blocks.bit_length() - 4)
+    return -(-need_blocks // step) * step
+
+
 def kv_geometry(model_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a standard Hugging Face causal-LM config."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -57,23 +66,71 @@ class KVCachePool:
     """`num_blocks` usable blocks of `block_size` tokens per layer, plus one null block (id `num_blocks`) that padded
     decode rows of a static batch write to and read from: `k_caches[i]` is [(num_blocks + 1) * B, Hkv_i, Dk_i] and
     `v_caches[i]` is [(num_blocks + 1) * B, Hkv_i, Dv_i]. The null block is part of the budget. `layout` is a
-    `KVLayout` (or a config, read by `from_config`)."""
+    `KVLayout` (or a config, read by `from_config`).
 
-    def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0):
-        """`reserve_bytes`: taken out of a `kv_cache_fraction` budget first (the captured decode step's memory)."""
+    The budget (`EngineConfig.kv_cache_tokens` / `kv_cache_gb` / `kv_cache_fraction`) bounds the pool; the engine
+    sizes it for each call from what the call can use (`open`) and gives the memory back after it (`release`), so
+    a training step running between two rollouts has that memory."""
+
+    def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0,
+                 allocate: bool = True):
+        """`reserve_bytes`: taken out of a `kv_cache_fraction` budget first (the captured decode step's memory).
+        `allocate=False`: no tensors until `open` sizes the pool for a call (the engine's way)."""
         self.reserve_bytes = reserve_bytes
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
         self.num_layers = self.layout.num_layers
         self.block_size = config.block_size
         self.dtype = dtype
         self.device = device
-        self.num_blocks = self._num_blocks(config) - 1
-        self.null_block = self.num_blocks
-        slots = (self.num_blocks + 1) * self.block_size
-        lay = self.layout
+        self.config = config
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.null_block = 0
+        self.allocator = BlockAllocator(1, self.block_size)  # replaced when the pool is sized
+        if allocate:
+            self._allocate(self.budget_blocks())
+        else:
+            self.budget_blocks()  # validates the budget now, not at the first call
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k_caches)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the K and V tensors held now (null block included; 0 when released)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+
+    def budget_blocks(self) -> int:
+        """Usable blocks the budget allows now (the null block taken out). A `kv_cache_fraction` budget is read
+        from the memory free at this moment plus what PyTorch's allocator holds unused and this pool's own tensors,
+        which would be freed first (so the pool follows the memory training leaves, call by call)."""
+        return self._num_blocks(self.config) - 1
+
+    def open(self, need_blocks: int) -> None:
+        """Size the pool for one call: `min(need_blocks, budget)` usable blocks, all free. A held pool at least that
+        large is reused (fresh accounting); otherwise it is allocated anew (zeroed)."""
+        blocks = max(1, min(int(need_blocks), self.budget_blocks()))
+        if not self.allocated or self.num_blocks < blocks:
+            self.release()
+            self._allocate(blocks)
+        self.reset()
+
+    def release(self) -> None:
+        """Free the K and V tensors (the memory goes back to the allocator, e.g. for the training step)."""
+        self.k_caches, self.v_caches = [], []
+        self.num_blocks = 0
+        self.allocator = BlockAllocator(1, self.block_size)
+
+    def _allocate(self, usable_blocks: int) -> None:
+        self.num_blocks = usable_blocks
+        self.null_block = usable_blocks
+        slots = (usable_blocks + 1) * self.block_size
+        lay, dtype, device = self.layout, self.dtype, self.device
         self.k_caches = [torch.zeros(slots, h, d, dtype=dtype, device=device) for h, d in zip(lay.num_kv_heads, lay.k_dims)]
         self.v_caches = [torch.zeros(slots, h, d, dtype=dtype, device=device) for h, d in zip(lay.num_kv_heads, lay.v_dims)]
-        self.allocator = BlockAllocator(self.num_blocks, self.block_size)
+        self.allocator = BlockAllocator(usable_blocks, self.block_size)
 
     @property
     def block_bytes(self) -> int:
@@ -88,7 +145,9 @@ class KVCachePool:
             n, field = int(config.kv_cache_gb * GB // self.block_bytes), "kv_cache_gb"
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            n = int((free * config.kv_cache_fraction - self.reserve_bytes) // self.block_bytes)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            n = int(((free + cached + self.allocated_bytes) * config.kv_cache_fraction - self.reserve_bytes)
+                    // self.block_bytes)
             field = "kv_cache_fraction"
         else:
             n, field = config.default_cpu_kv_tokens // self.block_size, "default_cpu_kv_tokens"

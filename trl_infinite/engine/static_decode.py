@@ -118,15 +118,18 @@ class StaticDecoder:
         vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
         cap = bucket_sizes(capacity)[-1]
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
-        if self.rows is None or not self.rows.fits(cap, pcols, ocols, vocab):
-            self.rows = DecodeRows(cap, pcols, ocols, self.block_size, self.runner.pool.null_block, self.device, vocab)
+        pool = self.runner.pool
+        if self.rows is None or not self.rows.fits(cap, pcols, ocols, vocab) or self.rows.null_block != pool.null_block:
+            self.rows = DecodeRows(cap, pcols, ocols, self.block_size, pool.null_block, self.device, vocab)
             self._clear_graphs()
         if self.sampler is None or self.sampler.params_key != sampler.params_key or want_hidden != self.want_hidden:
             self.sampler, self.want_hidden = sampler, want_hidden
             self._clear_graphs()
         self.seed.fill_(seed_base(seed))
-        fingerprint = tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers()))
-        if fingerprint != self._fingerprint:  # parameters gathered into new storage (ZeRO-3, FSDP): recapture
+        fingerprint = tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers(),
+                                                   *pool.k_caches, *pool.v_caches))
+        # parameters gathered into new storage (ZeRO-3, FSDP) or a new KV pool (sized per call): recapture
+        if fingerprint != self._fingerprint:
             self._fingerprint = fingerprint
             self._clear_graphs()
             if self._compiled is not None:

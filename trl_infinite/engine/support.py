@@ -84,13 +84,18 @@ def model_name(model: torch.nn.Module) -> str:
 
 
 class UnsupportedModelError(ValueError):
-    """The engine cannot run this model exactly (the message names the model type and the feature)."""
+    """The engine cannot run this model exactly (the message names the model type and the feature; `feature` is
+    the reason alone, for callers that run the same checks for another purpose)."""
+
+    def __init__(self, message: str, feature: str = ""):
+        super().__init__(message)
+        self.feature = feature or message
 
 
 def refusal(model: torch.nn.Module, feature: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"The rollout engine cannot run {model_name(model)} exactly: {feature}. Generate with vLLM instead "
-        f"(`use_vllm=True` in the trainer) or with `model.generate`."
+        f"(`use_vllm=True` in the trainer) or with `model.generate`.", feature,
     )
 
 

@@ -1,11 +1,14 @@
-"""Micro batches for the backward pass: completions of similar length together, each padded to its own longest.
+"""Micro batches for the backward pass: rows that share work together, each padded to its own longest.
 
 TRL pads the whole generation batch to its longest completion and splits it at random, so every micro batch costs as
-much as the longest sample. Here rows are sorted by length, split into the same number of equal-size micro batches,
-and each micro batch is trimmed to its own longest prompt (left padding) and completion (right padding). For every
-loss whose normaliser does not depend on the split (`grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`)
-the accumulated gradient is unchanged. `bnpo` averages tokens per micro batch, so it keeps TRL's random split (only
-the padding is trimmed, which does not change it).
+much as the longest sample. Here the rows are ordered, split into the same number of equal-size micro batches, and
+each micro batch is trimmed to its own longest prompt (left padding) and completion (right padding):
+- with the shared-prefix forward (`shared_prefix.py`), group by group (groups in random order), so a micro batch
+  holds whole groups and encodes each prompt once; padding does not matter there (the rows are packed);
+- otherwise by completion length, so a micro batch pads little.
+For every loss whose normaliser does not depend on the split (`grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`,
+`vespo`) the accumulated gradient is unchanged. `bnpo` averages tokens per micro batch, so it keeps TRL's random
+split (only the padding is trimmed, which does not change it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ _COMPLETION_KEYS = (
 )
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 _FULL_KEYS = ("token_type_ids", "mm_token_type_ids")  # [B, P + C]
+
+
+def group_order(batch: dict) -> torch.Tensor:
+    """Row permutation keeping the rows of each prompt together (in their order), prompts in random order."""
+    ids = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1).cpu()
+    _, group = torch.unique(ids, dim=0, return_inverse=True)
+    rank = torch.randperm(int(group.max()) + 1)[group]  # a random position per group
+    return torch.argsort(rank * group.numel() + torch.arange(group.numel()))
 
 
 def length_order(batch: dict, sort_by_length: bool) -> torch.Tensor:
@@ -49,20 +60,16 @@ def permute_rows(batch: dict, perm: torch.Tensor) -> dict:
     return out
 
 
+def take_rows(batch: dict, rows: slice) -> dict:
+    """The rows `rows` of every per-row entry (tensors with a batch dim and lists); scalars shared."""
+    return {k: (v[rows] if (isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim >= 1)) else v)
+            for k, v in batch.items()}
+
+
 def split_rows(batch: dict, num_chunks: int) -> list[dict]:
     """`num_chunks` equal consecutive slices of rows (scalars shared)."""
-    n = batch["completion_mask"].size(0)
-    size = n // num_chunks
-    chunks = []
-    for c in range(num_chunks):
-        rows = slice(c * size, (c + 1) * size)
-        chunks.append(
-            {
-                k: (v[rows] if (isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim >= 1)) else v)
-                for k, v in batch.items()
-            }
-        )
-    return chunks
+    size = batch["completion_mask"].size(0) // num_chunks
+    return [take_rows(batch, slice(c * size, (c + 1) * size)) for c in range(num_chunks)]
 
 
 def _round_up(n: int, multiple: int | None, limit: int) -> int:
@@ -97,14 +104,17 @@ def trim_padding(batch: dict, multiple: int | None = None) -> dict:
     return out
 
 
-def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: int | None = None) -> list[dict]:
+def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: int | None = None,
+                       by_group: bool = False) -> list[dict]:
     """The generation batch as `num_chunks` micro batches of equal row count, each padded to its own longest.
 
-    Split-invariant losses get length-sorted micro batches in random order (so, with several optimizer steps per
-    generation, no step sees only short or only long completions); `bnpo` and unknown losses keep TRL's random split.
+    Split-invariant losses get micro batches of whole groups (`by_group`, for the shared-prefix forward) or of
+    similar lengths, in random order (so, with several optimizer steps per generation, no step sees only short or
+    only long completions); `bnpo` and unknown losses keep TRL's random split.
     """
     sort = loss_type in SPLIT_INVARIANT_LOSSES
-    chunks = split_rows(permute_rows(batch, length_order(batch, sort)), num_chunks)
+    order = group_order(batch) if sort and by_group else length_order(batch, sort)
+    chunks = split_rows(permute_rows(batch, order), num_chunks)
     if sort:
         chunks = [chunks[i] for i in torch.randperm(num_chunks).tolist()]
     return [trim_padding(c, multiple) for c in chunks]

@@ -19,6 +19,11 @@ TRL_HOOKS: dict[str, tuple[str, ...]] = {
     "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
     "_prepare_inputs": ("self", "generation_batch"),
     "_log_metric": ("self", "name", "value"),
+    "_get_per_token_logps_and_entropies": (
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    ),
 }
 
 

@@ -62,8 +62,40 @@ class InfiniteGRPOConfig(GRPOConfig):
         },
     )
 
+    shared_prefix_training: bool = field(
+        default=True,
+        metadata={
+            "help": "Encode each group's prompt once in the training forward and backward instead of once per "
+            "completion (`trainer/shared_prefix.py`): the G rows of a prompt are packed into one sequence, each "
+            "completion attending to the shared prompt and to itself. Exact (same log-probs and gradients as TRL's "
+            "padded forward, up to float rounding); a model it cannot run exactly (checked once at start-up) "
+            "trains with TRL's forward, with a warning naming why."
+        },
+    )
+
+    backward_token_budget: int | None = field(
+        default=4096,
+        metadata={
+            "help": "Most tokens in one forward + backward of the loss (the packed tokens of the shared-prefix "
+            "forward, else rows x padded width). A micro batch above it runs as that many slices of rows (whole "
+            "groups where they fit) whose gradients accumulate into exactly the micro batch's, so the memory of the "
+            "backward stays flat in G and completion length (`trainer/sub_batches.py`); TRL's metrics are merged "
+            "back to the micro batch's values. Applies to the losses that are sums over rows (all but the entropy "
+            "bonus, `top_entropy_quantile < 1` and the MoE auxiliary loss) without DeepSpeed / FSDP. None: TRL's "
+            "one pass per micro batch."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.backward_token_budget is not None and (
+            not isinstance(self.backward_token_budget, int) or isinstance(self.backward_token_budget, bool)
+            or self.backward_token_budget < 1
+        ):
+            raise ValueError(f"`backward_token_budget` must be a positive integer or None, got "
+                             f"{self.backward_token_budget!r}.")
+        if not isinstance(self.shared_prefix_training, bool):
+            raise ValueError(f"`shared_prefix_training` must be True or False, got {self.shared_prefix_training!r}.")
         if self.rollout_reward_executor not in REWARD_EXECUTORS:
             raise ValueError(
                 f"`rollout_reward_executor` must be one of {list(REWARD_EXECUTORS)}, got {self.rollout_reward_executor!r}."

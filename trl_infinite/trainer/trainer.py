@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+from accelerate.utils import DistributedType, is_peft_model
 from tqdm.auto import tqdm
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
@@ -22,9 +23,27 @@ from .backprop import make_micro_batches
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
+from .logprobs import HeadSpec
+from .packing import pack_rows
 from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups
 from .scoring import ChunkScorer
+from .shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
 from .streaming import StreamingRewards, StreamSlot
+from .sub_batches import (
+    ROW_KEYS,
+    SPLITTABLE_LOSSES,
+    loss_weights,
+    merge_metrics,
+    metric_weights,
+    num_parts,
+    packed_tokens,
+    slice_rows,
+    split_inputs,
+)
+
+# accelerate setups whose gradient sync the sub-batches' `no_sync` handles (DeepSpeed and FSDP count or shard
+# backward passes themselves: one pass per micro batch there)
+_SUB_BATCH_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 class InfiniteGRPOTrainer(GRPOTrainer):
@@ -66,6 +85,25 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 self.engine_fallback_reasons.append(str(err))
         if self.engine_fallback_reasons:
             self._warn_fallback(stacklevel=3)
+        self.shared_prefix: SharedPrefixForward | None = None
+        self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
+        if getattr(self.args, "shared_prefix_training", False):
+            self._install_shared_prefix()
+
+    def _install_shared_prefix(self) -> None:
+        """The shared-prefix training forward on the policy (the module TRL gave its fused LM head), if the model
+        passes its support contract; otherwise TRL's forward, with one warning naming why."""
+        target = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        head = HeadSpec.from_model(target, self.temperature, self.args.cast_lm_head_to_fp32)
+        try:
+            self.shared_prefix = SharedPrefixForward.install(target, head, autocast=self.accelerator.autocast,
+                                                             outer=self.model)
+        except SharedPrefixUnsupported as err:
+            self.shared_prefix_reason = str(err)
+            warnings.warn(
+                f"InfiniteGRPOTrainer trains with TRL's padded forward (each prompt encoded once per completion) "
+                f"instead of the shared-prefix forward: {err}.", UserWarning, stacklevel=4,
+            )
 
     def _warn_fallback(self, stacklevel: int) -> None:
         reasons = "; ".join(r.rstrip(". ") for r in self.engine_fallback_reasons)
@@ -215,15 +253,89 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             return [parse_response(tok, ids, prefix=prompt_ids, tools=self.tools)]
         return [{"role": "assistant", "content": self.processing_class.decode(ids, skip_special_tokens=True)}]
 
+    # ------------------------------------------------------------------ training forward
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's per-token log-probs and entropies of the completion tokens ([B, C], zero where masked), from the
+        shared-prefix forward when it is installed on this model and the batch is text in TRL's layout; TRL's
+        own forward otherwise (multimodal inputs, the MoE auxiliary loss, the reference model)."""
+        forward = self.shared_prefix
+        layout = None
+        if (forward is not None and not compute_aux_loss and all(v is None for v in multimodal.values())
+                and self._policy_module(model) is forward.model):
+            layout = pack_rows(input_ids, attention_mask, logits_to_keep)
+        if layout is None or isinstance(layout, str):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )
+        with self.accelerator.autocast():
+            out = model(prefix_groups=forward.context(layout, entropy=compute_entropy))
+        return out.log_probs, (out.entropy if compute_entropy else None), None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss; a training micro batch above `backward_token_budget` tokens runs as slices whose weighted
+        losses are backpropagated one by one (all but the last here, under `no_sync`; the last by the caller), so
+        the gradient and the returned value are the micro batch's and its activations never coexist
+        (`sub_batches.py`)."""
+        slices = None if return_outputs else self._loss_slices(inputs)
+        if slices is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        parts = split_inputs(inputs, slices)
+        weights = loss_weights(self.loss_type, parts)
+        metrics = self._metrics["train"]
+        before = {key: len(values) for key, values in metrics.items()}
+        done = None
+        for i, (part, weight) in enumerate(zip(parts, weights)):
+            loss = super().compute_loss(model, part, num_items_in_batch=num_items_in_batch) * weight
+            if i == len(parts) - 1:
+                break
+            with self.accelerator.no_sync(model) if self.accelerator.sync_gradients else nullcontext():
+                self.accelerator.backward(loss)
+            done = loss.detach() if done is None else done + loss.detach()
+        tokens, rows = metric_weights(parts, lambda t: self.accelerator.reduce(t.to(self.accelerator.device),
+                                                                                reduction="sum").cpu())
+        merge_metrics(metrics, before, tokens, rows, token_level=self.importance_sampling_level == "token")
+        return loss + done
+
+    def _loss_slices(self, inputs: dict) -> list[slice] | None:
+        """The row slices of a training micro batch over `backward_token_budget` tokens (None: one pass)."""
+        budget = getattr(self.args, "backward_token_budget", None)
+        if (budget is None or not self.model.training or not torch.is_grad_enabled()
+                or self.loss_type not in SPLITTABLE_LOSSES or self._entropy_bonus_enabled
+                or self.top_entropy_quantile < 1.0 or self.aux_loss_enabled
+                or self.accelerator.distributed_type not in _SUB_BATCH_DISTRIBUTED):
+            return None
+        if any(isinstance(v, torch.Tensor) and v.ndim >= 1 and k not in ROW_KEYS
+               and v.shape[0] != inputs["completion_mask"].shape[0] for k, v in inputs.items()):
+            return None  # an entry not aligned with the rows (e.g. pixel values): one pass
+        if self.shared_prefix is not None:
+            costs = packed_tokens(inputs)
+        else:
+            width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
+            costs = torch.full((inputs["completion_mask"].shape[0],), width)
+        parts = num_parts(int(costs.sum()), budget, costs.numel())
+        if self.accelerator.num_processes > 1:  # the same number of loss calls on every process
+            parts = int(self.accelerator.gather(torch.tensor([parts], device=self.accelerator.device)).max())
+            parts = min(parts, costs.numel())
+        return slice_rows(costs, parts) if parts > 1 else None
+
+    def _policy_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The causal LM under `model`'s wrappers (DDP / FSDP / DeepSpeed, then PEFT)."""
+        inner = self.accelerator.unwrap_model(model)
+        return inner.get_base_model() if is_peft_model(inner) else inner
+
     # ------------------------------------------------------------------ micro-batched backprop
     def _prepare_inputs(self, generation_batch):
         """TRL's buffering of one generation batch over `steps_per_generation` steps, but split into micro batches
-        of similar-length completions, each padded only to its own longest sequence."""
+        of whole groups (shared-prefix forward) or of similar-length completions, each padded only to its own
+        longest sequence (`backprop.py`)."""
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
-            chunks = make_micro_batches(batch, self.args.steps_per_generation, self.loss_type, self.pad_to_multiple_of)
+            chunks = make_micro_batches(batch, self.args.steps_per_generation, self.loss_type, self.pad_to_multiple_of,
+                                        by_group=self.shared_prefix is not None)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(c) for c in chunks]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]

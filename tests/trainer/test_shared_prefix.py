@@ -1,0 +1,176 @@
+"""The shared-prefix training forward and the token-budgeted sub-batches against vanilla `GRPOTrainer`.
+
+For one TRL-layout micro batch (two GRPO groups, left-padded prompts of different lengths, ragged right-padded
+completions, one fully masked row), `InfiniteGRPOTrainer.compute_loss` + backward gives TRL's loss, per-token
+log-probs, entropies and every parameter's gradient, for every loss type, with each group's prompt encoded once;
+again with the micro batch cut into slices by `backward_token_budget`, with TRL's logged metrics merged back.
+Tolerance: float32 round-off of different reduction orders, relative 1e-4 of the largest value (the models are
+tiny; a real mismatch is of order 1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _models import tiny_model
+from conftest import cpu_args, token_sum_reward
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_infinite.trainer import InfiniteGRPOTrainer
+from trl_infinite.trainer.packing import pack_rows
+from trl_infinite.utils.tiny_configs import build_tiny_model
+
+LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+ARCHS = {
+    "llama": lambda: tiny_model("llama"),
+    "qwen3": lambda: tiny_model("qwen3"),  # GQA
+    "gemma2": lambda: build_tiny_model("gemma2", sliding_window=8),  # soft-caps, a window shorter than the prompts
+}
+
+
+def trl_batch(vocab: int, seed: int = 0, group_size: int = 3) -> dict:
+    """Two groups of `group_size` rows in TRL's layout: prompts of 13 and 6 tokens left-padded to 13, completions of
+    0..7 tokens right-padded to 7 (the first row of the second group fully masked), advantages, sampling log-probs
+    a little off the policy's (so that ratios clip), `num_items_in_batch`."""
+    g = torch.Generator().manual_seed(seed)
+    P, C = 13, 7
+    rows, pmask, comp, cmask = [], [], [], []
+    for gi, plen in enumerate((13, 6)):
+        prompt = torch.randint(4, vocab, (plen,), generator=g)
+        for j in range(group_size):
+            n = 0 if (gi, j) == (1, 0) else int(torch.randint(1, C + 1, (1,), generator=g))
+            rows.append(torch.cat([torch.zeros(P - plen, dtype=torch.long), prompt]))
+            pmask.append(torch.cat([torch.zeros(P - plen, dtype=torch.long), torch.ones(plen, dtype=torch.long)]))
+            comp.append(torch.cat([torch.randint(4, vocab, (n,), generator=g), torch.zeros(C - n, dtype=torch.long)]))
+            cmask.append(torch.cat([torch.ones(n, dtype=torch.long), torch.zeros(C - n, dtype=torch.long)]))
+    completion_mask = torch.stack(cmask)
+    return {
+        "prompt_ids": torch.stack(rows), "prompt_mask": torch.stack(pmask),
+        "completion_ids": torch.stack(comp), "completion_mask": completion_mask,
+        "advantages": torch.randn(len(rows), generator=g),
+        "old_per_token_logps": -torch.rand(len(rows), C, generator=g) * 3 * completion_mask,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+OURS_ONLY = ("backward_token_budget", "shared_prefix_training")
+
+
+def trainers(tmp_path, arch, tokenizer, dataset, **overrides):
+    model = ARCHS[arch]().train()
+    kw = dict(per_device_train_batch_size=6, num_generations=3, max_completion_length=7, temperature=0.9,
+              gradient_checkpointing=False, **overrides)
+    trl_kw = {k: v for k, v in kw.items() if k not in OURS_ONLY}
+    ref = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=token_sum_reward, processing_class=tokenizer,
+                      args=cpu_args(tmp_path / "trl", cls=GRPOConfig, **trl_kw), train_dataset=dataset)
+    ours = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
+                               args=cpu_args(tmp_path / "ours", **kw), train_dataset=dataset)
+    for trainer in (ref, ours):
+        trainer.current_gradient_accumulation_steps = 1  # set by `train()`, read by the loss
+    return ref, ours
+
+
+def loss_and_grads(trainer, inputs):
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    trainer.accelerator.backward(loss)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close(got, want, what):
+    scale = max(want.abs().max().item(), 1e-6)
+    assert (got - want).abs().max().item() <= 1e-4 * scale, what
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_shared_prefix_forward_equals_trl_for_every_loss(tmp_path, tokenizer, dataset, arch):
+    ref, ours = trainers(tmp_path, arch, tokenizer, dataset, backward_token_budget=None)
+    assert ours.shared_prefix is not None, ours.shared_prefix_reason
+    inputs = trl_batch(ref.model.config.vocab_size)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    want = ref._get_per_token_logps_and_entropies(ref.model, ids, mask, 7, compute_entropy=True)
+    got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 7, compute_entropy=True)
+    layout = pack_rows(ids, mask, 7)
+    assert layout.num_tokens == 12 + 5 + int(inputs["completion_mask"].sum()) + 5  # each prompt once
+    assert_close(got[0], want[0], "log-probs")
+    assert_close(got[1], want[1], "entropies")
+    for loss_type, quantile in [(loss, 1.0) for loss in LOSSES] + [("dapo", 0.5)]:
+        ref.loss_type = ours.loss_type = loss_type
+        ref.top_entropy_quantile = ours.top_entropy_quantile = quantile  # 0.5: the loss on high-entropy tokens only
+        want_loss, want_grads = loss_and_grads(ref, inputs)
+        got_loss, got_grads = loss_and_grads(ours, inputs)
+        assert_close(got_loss, want_loss, f"{loss_type} loss")
+        assert got_grads.keys() == want_grads.keys() and want_grads
+        for name in want_grads:
+            assert_close(got_grads[name], want_grads[name], f"{loss_type} gradient of {name}")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_token_budget_slices_keep_loss_gradients_and_metrics(tmp_path, tokenizer, dataset, shared):
+    """A budget of 20 tokens cuts the micro batch into several slices: the same loss, gradient and logged metrics
+    as one pass (with the shared-prefix forward and with TRL's)."""
+    ref, ours = trainers(tmp_path, "qwen3", tokenizer, dataset, backward_token_budget=20,
+                         shared_prefix_training=shared)
+    inputs = trl_batch(ref.model.config.vocab_size, seed=1)
+    assert len(ours._loss_slices(inputs)) > 2
+    for loss_type in LOSSES:
+        ref.loss_type = ours.loss_type = loss_type
+        ref._metrics["train"].clear()
+        ours._metrics["train"].clear()
+        want_loss, want_grads = loss_and_grads(ref, inputs)
+        got_loss, got_grads = loss_and_grads(ours, inputs)
+        assert_close(got_loss, want_loss, f"{loss_type} loss")
+        for name in want_grads:
+            assert_close(got_grads[name], want_grads[name], f"{loss_type} gradient of {name}")
+        want_metrics, got_metrics = dict(ref._metrics["train"]), dict(ours._metrics["train"])
+        assert got_metrics.keys() == want_metrics.keys()
+        for key, values in want_metrics.items():
+            assert len(got_metrics[key]) == len(values) == 1, key
+            torch.testing.assert_close(torch.tensor(got_metrics[key]), torch.tensor(values), rtol=1e-4, atol=1e-6,
+                                       equal_nan=True, msg=f"{loss_type} metric {key}")
+
+
+def test_budget_not_applied_where_the_loss_is_not_a_sum_over_rows(tmp_path, tokenizer, dataset):
+    _, ours = trainers(tmp_path, "qwen3", tokenizer, dataset, backward_token_budget=20, top_entropy_quantile=0.5)
+    assert ours._loss_slices(trl_batch(96)) is None
+
+
+def test_refused_model_trains_with_trls_forward_and_says_why(tmp_path, tokenizer, dataset):
+    """A model whose training forward is random (dropout) is refused by the contract: TRL's forward, one warning."""
+    model = build_tiny_model("gpt2", resid_pdrop=0.1).train()
+    with pytest.warns(UserWarning, match="training forward is random"):
+        trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
+                                      args=cpu_args(tmp_path, gradient_checkpointing=False), train_dataset=dataset)
+    assert trainer.shared_prefix is None and "dropout" in trainer.shared_prefix_reason
+    assert model.config._attn_implementation in ("sdpa", "eager")  # the model is left as it was
+
+
+def test_micro_batches_hold_whole_groups(tmp_path, tokenizer, dataset):
+    """With the shared-prefix forward and two micro batches per generation, each micro batch holds whole groups."""
+    from trl_infinite.trainer.backprop import make_micro_batches
+
+    batch = trl_batch(96, group_size=4)
+    for _ in range(5):  # random group order: every draw keeps groups whole
+        chunks = make_micro_batches(batch, 2, "dapo", by_group=True)
+        for c in chunks:
+            ids = c["prompt_ids"].masked_fill(c["prompt_mask"] == 0, -1)
+            assert torch.unique(ids, dim=0).shape[0] == 1
+
+
+def test_kv_pool_is_free_during_the_backward(tmp_path, tokenizer, dataset, model):
+    """The engine's KV pool is held during the rollout and released before the loss's backward runs."""
+    trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
+                                  args=cpu_args(tmp_path, max_steps=2, gradient_checkpointing=False),
+                                  train_dataset=dataset)
+    during_backward = []
+    weight = next(p for p in model.parameters() if p.requires_grad)
+    weight.register_hook(lambda grad: during_backward.append(trainer._engine.pool.allocated_bytes))
+    trainer.train()
+    assert trainer.uses_engine and len(during_backward) == 2
+    assert during_backward == [0, 0]
+    held = [h["rollout/peak_kv_gb"] for h in trainer.state.log_history if "rollout/peak_kv_gb" in h]
+    assert held and all(v > 0 for v in held)  # the rollouts did use the pool

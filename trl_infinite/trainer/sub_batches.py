@@ -1,0 +1,133 @@
+"""A token budget on the loss's forward and backward: a micro batch larger than the budget runs as sub-batches whose
+gradients accumulate into exactly the micro batch's gradient, and whose logged metrics merge into TRL's values.
+
+TRL runs one forward and one backward per micro batch (`per_device_train_batch_size` rows), so the activations grow
+with G x completion length. Here a micro batch of more than `budget` tokens (the packed tokens of the shared-prefix
+forward: each group's prompt once plus every completion; TRL's padded `rows x width` otherwise) is cut into `k`
+consecutive slices of rows (whole groups where they fit, the rows being in group order), each with about the same
+number of tokens; slice i's loss is TRL's loss of the slice times `weight_i`, so that the weighted sum equals TRL's
+loss of the whole micro batch for every loss whose value is a sum over rows:
+
+    grpo, sapo, luspo, dr_grpo:  mean over rows            -> weight_i = rows_i / rows
+    bnpo:                         sum over tokens / tokens  -> weight_i = tokens_i / tokens  (completion mask)
+    dapo, cispo, vespo:           sum / num_items_in_batch  -> weight_i = 1 (the normaliser is the batch's)
+
+Losses whose value is not such a sum are never split: the entropy bonus (a token mean next to a row mean),
+`top_entropy_quantile < 1` (a quantile over the micro batch), the MoE auxiliary loss, multimodal inputs. `k` is the
+largest over processes (every process runs the same number of TRL loss calls, whose collectives must pair up).
+
+TRL's loss logs metrics per call; each slice appends one value per metric, merged back into one
+(`merge_metrics`): token- or row-weighted means for TRL's masked means (weights summed over processes), min / max
+for `clip_ratio/low_min` / `clip_ratio/high_max`, the plain mean for any other key.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backprop import take_rows
+
+ROW_MEAN_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
+TOKEN_MEAN_LOSSES = ("bnpo",)
+GLOBAL_NORM_LOSSES = ("dapo", "cispo", "vespo")
+SPLITTABLE_LOSSES = ROW_MEAN_LOSSES + TOKEN_MEAN_LOSSES + GLOBAL_NORM_LOSSES
+# TRL's per-call metrics: how a micro batch's value follows from its slices' values
+MIN_METRICS = ("clip_ratio/low_min",)
+MAX_METRICS = ("clip_ratio/high_max",)
+TOKEN_METRICS = ("entropy", "kl")  # masked means over (B, T) tensors
+RATIO_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+ROW_METRICS = ("vespo/phi_seq_mean",)
+ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+
+
+def packed_tokens(inputs: dict) -> torch.Tensor:
+    """[B] tokens each row adds to the packed forward, in row order: its completion plus one (the prompt's last
+    token), plus the rest of its prompt on the first row of each run of rows that share it."""
+    prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+    cost = completion_mask.sum(1) + 1
+    ids = inputs["prompt_ids"].masked_fill(prompt_mask == 0, -1)
+    first = torch.ones_like(cost, dtype=torch.bool)
+    first[1:] = (ids[1:] != ids[:-1]).any(dim=1)
+    return (cost + first * (prompt_mask.sum(1) - 1)).cpu()
+
+
+def slice_rows(costs: torch.Tensor, parts: int) -> list[slice]:
+    """`parts` consecutive non-empty slices of rows with about equal total cost (`parts` <= rows)."""
+    n = costs.numel()
+    bounds = [0]
+    total = float(costs.sum())
+    cum = torch.cumsum(costs.double(), 0)
+    for i in range(1, parts):
+        target = total * i / parts
+        cut = int(torch.searchsorted(cum, torch.tensor(target, dtype=torch.float64)).item()) + 1
+        cut = min(max(cut, bounds[-1] + 1), n - (parts - i))  # every slice keeps at least one row
+        bounds.append(cut)
+    bounds.append(n)
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def num_parts(total_tokens: int, budget: int, rows: int) -> int:
+    return max(1, min(rows, math.ceil(total_tokens / budget)))
+
+
+def loss_weights(loss_type: str, parts: list[dict]) -> list[float]:
+    """`weight_i` of the module docstring for each slice (`parts`: the slices' inputs)."""
+    if loss_type in GLOBAL_NORM_LOSSES:
+        return [1.0] * len(parts)
+    if loss_type in ROW_MEAN_LOSSES:
+        rows = [p["completion_mask"].shape[0] for p in parts]
+        return [r / sum(rows) for r in rows]
+    tokens = [float(_loss_mask(p).sum()) for p in parts]
+    total = sum(tokens)
+    return [t / total if total else 1.0 / len(parts) for t in tokens]
+
+
+def _loss_mask(inputs: dict) -> torch.Tensor:
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
+def split_inputs(inputs: dict, slices: list[slice]) -> list[dict]:
+    """The micro batch's row-aligned entries cut into `slices` (scalars shared)."""
+    return [take_rows(inputs, s) for s in slices]
+
+
+def metric_weights(parts: list[dict], reduce) -> tuple[list[float], list[float]]:
+    """(token weights, row weights) of the slices for the masked-mean metrics, summed over processes by `reduce`
+    (a sum-reduction of a tensor)."""
+    tokens = torch.tensor([float(_loss_mask(p).sum()) for p in parts], dtype=torch.float64)
+    rows = torch.tensor([float(p["completion_mask"].shape[0]) for p in parts], dtype=torch.float64)
+    both = reduce(torch.stack([tokens, rows]))
+    return both[0].tolist(), both[1].tolist()
+
+
+def merge_metrics(metrics: dict, before: dict[str, int], tokens: list[float], rows: list[float],
+                  token_level: bool) -> None:
+    """Replace the values the slices appended to each metric list by the value TRL logs for the whole micro batch
+    (see the module docstring). `before`: each list's length before the slices ran; `token_level`: TRL's
+    `importance_sampling_level == "token"` (its clip ratios are then token means, else row means)."""
+    k = len(tokens)
+    for key, values in metrics.items():
+        new = values[before.get(key, 0):]
+        if len(new) != k:
+            continue  # not appended once per slice (e.g. logged outside the loss): left as it is
+        if key in MIN_METRICS or key in MAX_METRICS:
+            finite = [v for v in new if not math.isnan(v)]
+            merged = (min(finite) if key in MIN_METRICS else max(finite)) if finite else float("nan")
+        elif key in TOKEN_METRICS or (key in RATIO_METRICS and token_level):
+            merged = _weighted(new, tokens)
+        elif key in ROW_METRICS or key in RATIO_METRICS:
+            merged = _weighted(new, rows)
+        else:
+            merged = sum(new) / k
+        del values[before.get(key, 0):]
+        values.append(merged)
+
+
+def _weighted(values: list[float], weights: list[float]) -> float:
+    total = sum(w for v, w in zip(values, weights) if not math.isnan(v))
+    if total == 0:
+        return float("nan")
+    return sum(v * w for v, w in zip(values, weights) if not math.isnan(v)) / total
