@@ -114,6 +114,7 @@ def engine_settings(draw, allow_compile: bool) -> dict:
         batch_policy=draw(st.sampled_from(["static", "static", "memory", "sla"])),
         chunk_tokens=draw(st.one_of(st.none(), st.integers(1, 8))),
         cpu_decode_kernel=draw(st.booleans()),
+        kv_cache_release=draw(st.booleans()),
         history_max_prompts=draw(st.sampled_from([0, 2, 4096])),
         history_max_visits=draw(st.integers(1, 3)),
         history_max_tokens=draw(st.sampled_from([0, 50, 2_000_000])),
@@ -230,8 +231,9 @@ def check_same_tokens(model, call: Call, got: RolloutResult, ref: RolloutResult 
 def check_call(model, engine: RolloutEngine, call: Call, result: RolloutResult, reference) -> None:
     check_completions_end_properly(result, call.sampling)
     s = result.stats
-    assert s.peak_kv_blocks <= s.num_kv_blocks == engine.pool.num_blocks  # within the budget
+    assert s.peak_kv_blocks <= s.num_kv_blocks <= engine.pool.budget_blocks()  # the call's pool, within the budget
     assert engine.pool.allocator.num_used == 0  # nothing held after the call
+    assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache_release  # released, or kept on request
     assert len(result.completion_ids) == len(call.prompts) * call.num_generations
     check_same_tokens(model, call, result, reference)
 
@@ -314,5 +316,6 @@ def interrupted(model, engine: RolloutEngine, call: Call) -> None:
     except _Fault:
         pass
     assert engine.pool.allocator.num_used == 0
+    assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache_release
     assert engine.predictor.predictions == {}
     assert (model.training, model.config._attn_implementation) == state
