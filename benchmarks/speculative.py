@@ -54,7 +54,7 @@ from common import (
 )
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.shared_data import dataset_file
+from trl_infinite.testing.shared_data import dataset_file
 
 METHODS = ("none", "ngram", "suffix", "best_of_n")
 SOURCES = ("siblings", "siblings+history", "history")

@@ -27,7 +27,7 @@ from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.cuda_graphs import CaptureError
 from trl_infinite.engine.graph_emulation import GraphEmulator, emulate_cuda_graphs
 from trl_infinite.engine.step_graphs import StepGraphs
-from trl_infinite.utils.tiny_configs import build_tiny_model
+from trl_infinite.testing.tiny_configs import build_tiny_model
 
 BLOCK = 4
 PROMPTS = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]

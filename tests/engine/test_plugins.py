@@ -8,11 +8,10 @@ from _models import tiny_model
 from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.attention import resolve_backend
 from trl_infinite.engine.history import PromptHistory
-from trl_infinite.engine.plugins import ATTENTION_BACKENDS, BATCH_POLICIES, DRAFTERS, PREDICTORS, SCHEDULERS
+from trl_infinite.engine.registry import ATTENTION_BACKENDS, BATCH_POLICIES, DRAFTERS, PREDICTORS, SCHEDULERS, Registry
 from trl_infinite.engine.sampling_params import SamplingParams
 from trl_infinite.engine.scheduling.factory import policies_from_config, predictor_from_config
-from trl_infinite.spec_decode import Speculator
-from trl_infinite.utils.registry import Registry
+from trl_infinite.engine.spec_decode import Speculator
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ from _models import tiny_model
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.sim import SimConfig, simulate
-from trl_infinite.utils.traces import TraceRecord
+from trl_infinite.sim.traces import TraceRecord
 
 RNG = random.Random(0)
 PROMPTS = [[RNG.randrange(5, 90) for _ in range(RNG.randint(3, 9))] for _ in range(2)]

@@ -8,14 +8,14 @@ import pytest
 from trl_infinite.engine.block_manager import BlockAllocator
 from trl_infinite.engine.loop import drive
 from trl_infinite.engine.outputs import RolloutStats
-from trl_infinite.engine.plugins import SCHEDULERS
+from trl_infinite.engine.registry import SCHEDULERS
 from trl_infinite.engine.scheduler import Scheduler
 from trl_infinite.engine.scheduling.admission import SLAAdmission
 from trl_infinite.engine.scheduling.factory import build_policies, build_predictor
 from trl_infinite.engine.scheduling.fptas import fptas_partition, lpt, makespan
 from trl_infinite.sim import SimConfig, oracle_bound, simulate
 from trl_infinite.sim.replay import TraceExecutor, _requests
-from trl_infinite.utils.traces import TraceRecord, lognormal_trace
+from trl_infinite.sim.traces import TraceRecord, lognormal_trace
 
 
 def trace(*groups, max_new=64):

@@ -10,7 +10,7 @@ import pytest
 from trl_infinite.sim.__main__ import ROWS, main, run_table
 from trl_infinite.sim.prefix_eval import evaluate_mae
 from trl_infinite.sim.replay import SimConfig, _calls, simulate
-from trl_infinite.utils.traces import TraceRecord, lognormal_trace, save_trace
+from trl_infinite.sim.traces import TraceRecord, lognormal_trace, save_trace
 
 
 def test_cli_table_on_a_trace(tmp_path, capsys):

@@ -92,8 +92,8 @@ def test_hybrid_model_falls_back_to_trls_generation(tmp_path, tokenizer, dataset
     feature and `use_vllm=True`) and generates with TRL's own path, as `GRPOTrainer` would."""
     from conftest import token_sum_reward
 
+    from trl_infinite.testing.tiny_configs import build_tiny_model
     from trl_infinite.trainer import InfiniteGRPOTrainer
-    from trl_infinite.utils.tiny_configs import build_tiny_model
 
     model = build_tiny_model("mamba", vocab_size=len(tokenizer))
     with pytest.warns(UserWarning, match="TRL's own path.*`mamba`.*linear_attention.*use_vllm=True"):
@@ -109,8 +109,8 @@ def test_model_refused_by_the_engine_contract_trains_with_trls_generation(tmp_pa
     import torch
     from conftest import token_sum_reward
 
+    from trl_infinite.testing.tiny_configs import build_tiny_model
     from trl_infinite.trainer import InfiniteGRPOTrainer
-    from trl_infinite.utils.tiny_configs import build_tiny_model
 
     model = build_tiny_model("bloom", vocab_size=len(tokenizer))
     trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .plugins import ATTENTION_BACKENDS as _BACKENDS
-from .plugins import BATCH_POLICIES, DRAFTERS, PREDICTORS, SCHEDULERS
+from .registry import ATTENTION_BACKENDS as _BACKENDS
+from .registry import BATCH_POLICIES, DRAFTERS, PREDICTORS, SCHEDULERS
 from .sampling_params import SamplingParams
 from .validate import choice, integer, number, positive
 

@@ -84,7 +84,7 @@ class RolloutEngine:
         self.predictor = predictor_from_config(self.config, self.history)
         self.speculator = None
         if self.config.speculative_method is not None:
-            from ..spec_decode import Speculator
+            from .spec_decode import Speculator
 
             self.speculator = Speculator(self.config, self.device, self.config.block_size, history=self.history)
 

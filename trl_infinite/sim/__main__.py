@@ -22,8 +22,8 @@ import random
 from dataclasses import asdict, dataclass, replace
 
 from ..engine.scheduling.predictors import PREDICTORS
-from ..utils.traces import TraceRecord, load_trace
 from .replay import SimConfig, simulate
+from .traces import TraceRecord, load_trace
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def markdown(rows: list[dict], title: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", nargs="+", required=True, help="JSONL trace files (trl_infinite.utils.traces format).")
+    p.add_argument("--trace", nargs="+", required=True, help="JSONL trace files (trl_infinite.sim.traces format).")
     p.add_argument("--slots", type=int, default=4, help="g: decode slots (micro-group size).")
     p.add_argument("--prompts-per-call", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         feats, maes = None, {}
         if args.prefix_mae is not None or args.predictor == "prefix" or "prefix" in (
                 args.history_fallback if args.predictor == "history" else ""):
-            from ..utils.offline_models import load_smollm2
+            from ..testing.offline_models import load_smollm2
             from .prefix_eval import evaluate_mae, features
 
             model, _ = load_smollm2()

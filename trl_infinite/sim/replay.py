@@ -18,7 +18,7 @@ from ..engine.scheduler import Scheduler
 from ..engine.scheduling.factory import build_policies, build_predictor
 from ..engine.scheduling.predictors import LengthPredictor
 from ..engine.sequence import Group, make_group
-from ..utils.traces import TraceRecord
+from .traces import TraceRecord
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 from statistics import NormalDist, mean, pstdev
 
 from ..block_manager import blocks_for
-from ..plugins import register_batch_policy
+from ..registry import register_batch_policy
 from ..sequence import Sequence
 from .base import AdmissionPolicy, PolicyOptions, SchedulerView
 

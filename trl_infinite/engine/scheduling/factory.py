@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..history import PromptHistory
-from ..plugins import BATCH_POLICIES, SCHEDULERS
+from ..registry import BATCH_POLICIES, SCHEDULERS
 from .base import AdmissionPolicy, PolicyOptions, SchedulePolicy
 from .predictors import LengthPredictor, PredictorOptions, make_predictor
 

@@ -7,7 +7,7 @@ tokens are probed first (they decode k+1 tokens, return to the queue with their 
 
 from __future__ import annotations
 
-from ..plugins import register_scheduler
+from ..registry import register_scheduler
 from ..sequence import Group, Sequence
 from .base import PolicyOptions, SchedulePolicy, SchedulerView
 from .fptas import fptas_partition

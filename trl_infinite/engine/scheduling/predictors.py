@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..history import PromptHistory
-from ..plugins import PREDICTORS, register_predictor
+from ..registry import PREDICTORS, register_predictor
 from ..sequence import Group, Sequence
 from .ridge import OnlineRidge
 

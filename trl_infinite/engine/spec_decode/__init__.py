@@ -1,4 +1,4 @@
-"""Speculative rollout backend: drafters (registry `engine.plugins.DRAFTERS`, built-ins loaded when first built),
+"""Speculative rollout backend: drafters (registry `engine.registry.DRAFTERS`, built-ins loaded when first built),
 lossless verification, adaptive draft lengths."""
 
 from .adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import Segment
-from ..engine.config import EngineConfig, SamplingParams
-from ..engine.kv_pool import KVCachePool
-from ..engine.model_runner import ModelRunner, last_rows
-from ..engine.sampler import STREAM_SAMPLE, Sampler, row_keys
-from ..engine.sequence import Sequence
-from ..engine.support import check_support
+from ..attention import Segment
+from ..config import EngineConfig, SamplingParams
+from ..kv_pool import KVCachePool
+from ..model_runner import ModelRunner, last_rows
+from ..sampler import STREAM_SAMPLE, Sampler, row_keys
+from ..sequence import Sequence
+from ..support import check_support
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
 
 

@@ -5,8 +5,8 @@ import pytest
 from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.history import PromptHistory
 from trl_infinite.engine.sequence import Group, Sequence
-from trl_infinite.spec_decode import DRAFTERS, build_drafter
-from trl_infinite.spec_decode.adaptive import AcceptanceTracker, best_length
+from trl_infinite.engine.spec_decode import DRAFTERS, build_drafter
+from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, best_length
 
 
 def _group(prompt, g=2):

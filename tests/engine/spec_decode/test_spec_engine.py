@@ -9,7 +9,7 @@ from scipy.stats import chi2
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.sampler import Sampler
-from trl_infinite.spec_decode import Drafter, Proposal, register_drafter
+from trl_infinite.engine.spec_decode import Drafter, Proposal, register_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
 MAX_NEW = 32

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.plugins import DRAFTERS, register_drafter
-from ..engine.sequence import Sequence
+from ..registry import DRAFTERS, register_drafter
+from ..sequence import Sequence
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Drafter:
 
 
 DrafterFactory = Callable[..., Drafter]
-# Drafter classes/factories by name (`EngineConfig.speculative_method`) live in `engine.plugins.DRAFTERS`; a factory
+# Drafter classes/factories by name (`EngineConfig.speculative_method`) live in `engine.registry.DRAFTERS`; a factory
 # is called as `factory(config=EngineConfig, device=torch.device, **extras)`.
 __all__ = ["DRAFTERS", "EMPTY", "Drafter", "DrafterFactory", "Proposal", "build_drafter", "register_drafter"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..engine.sequence import Sequence
+from ..sequence import Sequence
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
 
 

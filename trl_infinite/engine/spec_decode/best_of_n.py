@@ -13,7 +13,7 @@ the members that were not verified improve for free.
 
 from __future__ import annotations
 
-from ..engine.sequence import Sequence
+from ..sequence import Sequence
 from .adaptive import AcceptanceTracker, expected_accepted
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
 from .ngram import NgramDrafter

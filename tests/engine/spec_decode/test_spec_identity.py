@@ -55,7 +55,7 @@ def test_speculation_on_or_off_gives_the_same_samples(model, draft, plain, metho
 
 def test_samples_do_not_depend_on_what_the_controller_drafts(model, plain, monkeypatch):
     """Random draft lengths every step (any decision the adaptive controller could make): the same samples."""
-    import trl_infinite.spec_decode.step as step
+    import trl_infinite.engine.spec_decode.step as step
 
     rng = random.Random(0)
     monkeypatch.setattr(step, "plan_lengths", lambda alphas, caps, cost, adaptive: [rng.randint(0, c) for c in caps])

@@ -16,9 +16,9 @@ samples are matched against the tree without being inserted). Drafts stay propos
 
 from __future__ import annotations
 
-from ..engine.config import SUFFIX_SOURCES
-from ..engine.history import PromptHistory
-from ..engine.sequence import Sequence
+from ..config import SUFFIX_SOURCES
+from ..history import PromptHistory
+from ..sequence import Sequence
 from .drafter import EMPTY, Drafter, Proposal, register_drafter
 
 

@@ -13,12 +13,12 @@ import time
 
 import torch
 
-from ..engine.attention import Segment
-from ..engine.batch import ScheduledBatch
-from ..engine.config import EngineConfig, SamplingParams
-from ..engine.executor import StepContext
-from ..engine.sampler import STREAM_SAMPLE, row_keys, seen_mask
-from ..engine.sequence import SeqStatus, Sequence
+from ..attention import Segment
+from ..batch import ScheduledBatch
+from ..config import EngineConfig, SamplingParams
+from ..executor import StepContext
+from ..sampler import STREAM_SAMPLE, row_keys, seen_mask
+from ..sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
 from .drafter import EMPTY, Drafter, Proposal, build_drafter
 from .verify import Verified, verify
