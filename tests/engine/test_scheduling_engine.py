@@ -51,9 +51,7 @@ def test_engine_matches_simulator_across_calls_with_history(model, scheduler, ch
              .stats.decode_steps for e, lengths in enumerate(epochs)]
     records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=40, prompt_ids=p, epoch=e)
                for e, lengths in enumerate(epochs) for i, (p, g) in enumerate(zip(PROMPTS, lengths))]
-    sim = simulate(records, SimConfig(sampling_mode="fixed_slot", scheduler=scheduler, slots=3, prompts_per_call=2,
-                                      block_size=4, kv_cache_tokens=240, chunk_tokens=chunk,
-                                      length_predictor="history", prefix_k=64))
+    sim = simulate(records, SimConfig(cfg, prompts_per_call=2))
     assert steps == [c.decode_steps for c in sim.calls]
     assert len(engine.history) == 2 and engine.history.lengths(PROMPTS[1]) == LENGTHS[1] + epochs[1][1]
     if scheduler != "lfs_max":  # it ranks by the longest known length, not the predictor's estimate
@@ -77,11 +75,10 @@ def _check_engine_equals_simulator(model, mode, scheduler, chunk, lengths):
     assert [len(c) for c in res.completion_ids] == [n for g in lengths for n in g]  # nothing lost or shortened
     records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=40)
                for i, (p, g) in enumerate(zip(PROMPTS, lengths))]
-    sim = simulate(records, SimConfig(sampling_mode=mode, scheduler=scheduler, slots=3, prompts_per_call=2,
-                                      block_size=4, kv_cache_tokens=240, chunk_tokens=chunk))
+    sim = simulate(records, SimConfig(cfg, prompts_per_call=2)).total()
     assert res.stats.decode_steps == sim.decode_steps
     assert res.stats.peak_kv_blocks == sim.peak_kv_blocks
-    assert res.stats.tail_decode_steps == sim.tail_steps
+    assert res.stats.tail_decode_steps == sim.tail_decode_steps
 
 
 def test_divided_rollout_offload_is_lossless(model):
@@ -104,10 +101,9 @@ def test_memory_batch_policy_in_engine_stays_in_pool(model):
 
 def test_prefix_predictor_learns_from_hidden_states(model):
     cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=4, scheduler="sjf", length_predictor="prefix",
-                       prefix_predictor_k=2, kv_cache_tokens=600, block_size=4)
+                       prefix_predictor_k=2, prefix_predictor_min_train=4, kv_cache_tokens=600, block_size=4)
     engine = RolloutEngine(model, cfg)
     sp = SamplingParams(max_new_tokens=40, seed=3)
-    engine.predictor.min_train = 4
     for _ in range(2):
         res = engine.generate(PROMPTS, 6, sp, forced_lengths=LENGTHS)
         assert [len(c) for c in res.completion_ids] == [n for g in LENGTHS for n in g]

@@ -16,8 +16,12 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sequence import Group
+
+if TYPE_CHECKING:
+    from .config import HistoryConfig
 
 
 @dataclass
@@ -54,6 +58,11 @@ class PromptHistory:
         self.max_prompts, self.max_visits, self.max_tokens = max_prompts, max_visits, max_tokens
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._num_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: HistoryConfig) -> PromptHistory:
+        """The history `config` (`EngineConfig.history`) describes."""
+        return cls(config.max_prompts, config.max_visits, config.max_tokens)
 
     # ------------------------------------------------------------------ reading
     def visits(self, prompt_ids) -> list[PromptVisit]:

@@ -37,3 +37,8 @@ def positive(name: str, value, allow_none: bool = False, allow_zero: bool = Fals
         bound = ">= 0" if allow_zero else "> 0"
         none = " or None" if allow_none else ""
         raise ValueError(f"`{name}` must be a finite number {bound}{none}, got {value!r}.")
+
+
+def boolean(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.")

@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-from ..engine.scheduling.predictors import PREDICTORS
+from ..engine.config import HISTORY_FALLBACKS, EngineConfig
+from ..engine.registry import PREDICTORS
 from .replay import SimConfig, simulate
 from .traces import TraceRecord, load_trace
 
@@ -60,17 +61,22 @@ def run_table(records, base: SimConfig, predictor: str, features: dict | None = 
     epochs = epochs or eval_epochs(records, None)
     out = []
     for row in (rows or ROWS) + [ORACLE]:
-        cfg = replace(base, sampling_mode=row.mode, scheduler=row.scheduler,
-                      length_predictor="oracle" if row is ORACLE else predictor,
-                      chunk_tokens=row_chunk_tokens if row.divided else base.chunk_tokens)
+        chunk_tokens = row_chunk_tokens if row.divided else base.engine.scheduling.chunk_tokens
+        cfg = replace(base, engine=replace(base.engine, sampling_mode=row.mode, scheduler=row.scheduler,
+                                           length_predictor="oracle" if row is ORACLE else predictor,
+                                           chunk_tokens=chunk_tokens))
         res = simulate(records, cfg, features=features if row is not ORACLE else None)
         if not res.lengths_preserved:
             raise RuntimeError(f"{row.label}: a sample was lost or shortened (simulator bug).")
-        summary = res.epoch_summary(epochs)
-        out.append({"policy": row.label, "mode": row.mode, "scheduler": row.scheduler,
-                    "chunk_tokens": cfg.chunk_tokens, **asdict(summary), "mean_active": res.mean_active,
-                    "peak_kv_blocks": res.peak_kv_blocks, "preemptions": res.preemptions,
-                    "mean_length": res.mean_length})
+        counted, every = res.total(epochs), res.total()
+        out.append({"policy": row.label, "mode": row.mode, "scheduler": row.scheduler, "chunk_tokens": chunk_tokens,
+                    "calls": sum(e in epochs for e in res.epochs), "decode_steps": counted.decode_steps,
+                    "bound": res.bound(epochs), "tail_steps": counted.tail_decode_steps,
+                    "offloaded_blocks": counted.offloaded_blocks, "prediction_mae": counted.prediction_mae,
+                    "constant_mae": counted.constant_mae, "scored_samples": len(counted.prediction_errors),
+                    "parks": counted.parks, "mean_active": every.mean_active_sequences,
+                    "peak_kv_blocks": every.peak_kv_blocks, "preemptions": every.preemptions,
+                    "mean_length": every.generated_tokens / every.num_samples if every.num_samples else 0.0})
     bound = out[0]["bound"]
     if random_orders:
         steps = random_order_steps(records, base, epochs, random_orders)
@@ -93,15 +99,15 @@ def random_order_steps(records: list[TraceRecord], base: SimConfig, epochs: set[
     if orders < 1:
         raise ValueError(f"`--random-orders` must be >= 1 to add the fifo_random_order row, got {orders}.")
     counted = [r for r in records if r.epoch in epochs]
-    cfg = replace(base, sampling_mode="fixed_slot", scheduler="fifo", length_predictor="none", chunk_tokens=None,
-                  history_max_prompts=0)
+    cfg = replace(base, engine=replace(base.engine, sampling_mode="fixed_slot", scheduler="fifo",
+                                       length_predictor="none", chunk_tokens=None, history_max_prompts=0))
     rng = random.Random(seed)
     total = 0
     for _ in range(orders):
         # the per-sample fields that follow `lengths` are dropped rather than left describing other samples
         shuffled = [replace(r, lengths=rng.sample(r.lengths, len(r.lengths)), finished=None, prefix_ids=None,
                             completion_ids=None) for r in counted]
-        total += simulate(shuffled, cfg).decode_steps
+        total += simulate(shuffled, cfg).total().decode_steps
     return total / orders
 
 
@@ -136,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-epochs", nargs="+", type=int, default=None,
                    help="Epochs whose calls are counted (default: the trace's last; earlier ones only teach).")
     p.add_argument("--history-visits", type=int, default=2, help="Visits per prompt the history keeps (0 = none).")
-    p.add_argument("--history-fallback", default="none", choices=["none", "siblings", "prefix", "siblings+prefix"],
-                   help="length_predictor=history: links between the history and the mean (EngineConfig field).")
+    p.add_argument("--history-fallback", default="none", choices=HISTORY_FALLBACKS,
+                   help="length_predictor=history: links between the history and the mean (`history_fallback`).")
     p.add_argument("--prefix-mae", nargs="*", type=int, default=None, help="Report the prefix predictor MAE at "
                    "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct.")
     p.add_argument("--random-orders", type=int, default=0, help="Add the fifo_random_order row, averaged over this "
@@ -146,10 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.random_orders < 0:
         raise ValueError(f"`--random-orders` must be >= 0 (0: no fifo_random_order row), got {args.random_orders}.")
-    base = SimConfig(slots=args.slots, prompts_per_call=args.prompts_per_call, block_size=args.block_size,
-                     prefix_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon, chunk_tokens=args.chunk_tokens,
-                     history_max_prompts=4096 if args.history_visits else 0,
-                     history_max_visits=max(1, args.history_visits), history_fallback=args.history_fallback)
+    engine = EngineConfig(max_active_sequences=args.slots, block_size=args.block_size, scheduler="fifo",
+                          prefix_predictor_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon,
+                          chunk_tokens=args.chunk_tokens, history_max_prompts=4096 if args.history_visits else 0,
+                          history_max_visits=max(1, args.history_visits), history_fallback=args.history_fallback)
+    base = SimConfig(engine, prompts_per_call=args.prompts_per_call)
     rows = [r for r in ROWS if args.policies is None or r.label in args.policies]
     if args.policies is not None and len(rows) != len(set(args.policies)):
         raise ValueError(f"`--policies` must name rows of {[r.label for r in ROWS]}, got {args.policies}.")

@@ -70,5 +70,5 @@ def test_identity_with_penalty_and_truncation(model):
     sampling = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
                               seed=9)
     base = _run(model, sampling)
-    out = _run(model, sampling, "ngram", speculative_adaptive=False, num_speculative_tokens=3)
+    out = _run(model, sampling, "ngram", speculative_adaptive=False, speculative_num_tokens=3)
     assert out.stats.verify_steps > 0 and out.completion_ids == base.completion_ids

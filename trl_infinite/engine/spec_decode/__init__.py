@@ -2,11 +2,11 @@
 lossless verification, adaptive draft lengths."""
 
 from .adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths
-from .drafter import DRAFTERS, Drafter, Proposal, build_drafter, register_drafter
+from .drafter import DRAFTERS, DraftContext, Drafter, Proposal, register_drafter
 from .step import SpeculativeStep, Speculator
 from .verify import Verified, verify_greedy, verify_sampling
 
 __all__ = [
-    "DRAFTERS", "AcceptanceTracker", "CostModel", "Drafter", "Proposal", "SpeculativeStep", "Speculator", "Verified",
-    "best_length", "build_drafter", "plan_lengths", "register_drafter", "verify_greedy", "verify_sampling",
+    "DRAFTERS", "AcceptanceTracker", "CostModel", "DraftContext", "Drafter", "Proposal", "SpeculativeStep",
+    "Speculator", "Verified", "best_length", "plan_lengths", "register_drafter", "verify_greedy", "verify_sampling",
 ]
