@@ -7,8 +7,7 @@ import torch
 from _models import tiny_model
 
 from trl_infinite import EngineConfig, KVCachePool, RolloutEngine, SamplingParams
-from trl_infinite.engine.block_manager import BlockAllocator, blocks_for
-from trl_infinite.engine.block_manager import pool_size
+from trl_infinite.engine.block_manager import BlockAllocator, blocks_for, pool_size
 
 BLOCK = 4
 PROMPT_LEN = 10  # 3 blocks of 4 (the last one partial), shared by all samples of the prompt
