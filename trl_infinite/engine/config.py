@@ -36,12 +36,14 @@ class KVCacheConfig(Section):
     never more than the budget, and releases it at the end (`release`)."""
 
     flag_prefix = "kv_cache_"
-    tokens: int | None = setting(None, "KV pool size in tokens (all layers).", ("engine/kv_pool.py",))
+    tokens: int | None = setting(None, "KV pool size in tokens (all layers).",
+                                 ("engine/kv_pool.py", f"{_SPEC}draft_model.py", "sim/replay.py"))
     gb: float | None = setting(None, "KV pool size in GB (K and V, all layers).", ("engine/kv_pool.py",))
     fraction: float = setting(
         0.5, "Fraction of free CUDA memory for the KV pool when no explicit budget is set (with CUDA graphs, an "
         "estimate of the captured decode step's memory is taken out of it first).", ("engine/kv_pool.py",))
-    cpu_tokens: int = setting(65536, "KV pool tokens on CPU with no budget set.", ("engine/kv_pool.py",))
+    cpu_tokens: int = setting(65536, "KV pool tokens on CPU with no budget set.",
+                              ("engine/kv_pool.py", f"{_SPEC}draft_model.py"))
     release: bool = setting(
         True, "Release the KV pool at the end of each `generate` call (its memory goes back to the allocator, e.g. "
         "for the training step between two rollouts); each call allocates the pool it can use (its prompts and the "
@@ -202,7 +204,7 @@ class SchedulingConfig(Section):
     max_active_sequences: int | None = setting(
         32, "g: decode slots (micro-group size) of `micro_group` and `fixed_slot`. `full_group` runs every sample at "
         "once and `dynamic_slot` as many as memory allows, so both ignore it.",
-        ("engine/sampling_modes.py", "engine/config.py", "trainer/trainer.py"))  # config.py: `max_batch`
+        ("engine/sampling_modes.py", f"{_SCHED}admission.py", "sim/replay.py", "trainer/trainer.py"))
     scheduler: str = setting(
         "lfs", "Order in which pending samples take free slots. Default 'lfs' with the 'history' predictor: prompts "
         "that produced longer completions on earlier visits start first (FIFO order for prompts never seen); chosen "
@@ -216,7 +218,7 @@ class SchedulingConfig(Section):
         "model.", (f"{_SCHED}predictors.py",))
     chunk_tokens: int | None = setting(
         None, "Divided rollout: a sample decodes at most this many tokens, then returns to the queue with its KV kept "
-        "(moved to host memory when the pool needs room). None = off.", ("engine/call.py",))
+        "(moved to host memory when the pool needs room). None = off.", ("engine/call.py", "sim/__main__.py"))
     prefix_predictor: PrefixPredictorConfig = section(PrefixPredictorConfig)
     history_predictor: HistoryPredictorConfig = section(HistoryPredictorConfig)
     fptas: FPTASConfig = section(FPTASConfig)
@@ -352,7 +354,7 @@ class EngineConfig(Section):
     """
 
     block_size: int = setting(16, "Tokens per KV block.", ("engine/kv_pool.py", "engine/call.py",
-                                                            f"{_SPEC}draft_model.py"))
+                                                            f"{_SPEC}draft_model.py", "sim/replay.py"))
     max_prefill_tokens: int = setting(
         4096, "Most prompt/recompute tokens run through the model in one prefill forward.", ("engine/engine.py",))
     kv_cache: KVCacheConfig = section(KVCacheConfig)
