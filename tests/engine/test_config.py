@@ -205,6 +205,25 @@ def test_every_setting_is_read_by_exactly_the_code_its_help_names(flag):
     assert flag_help(flag).endswith("Read in " + ", ".join(f"`{m}`" for m in flag.readers) + ".")
 
 
+@pytest.mark.parametrize("flag", [f for f in flags(EngineConfig) if f.field.type != "object"], ids=lambda f: f.name)
+def test_every_setting_refuses_a_bad_value_naming_its_flag(flag):
+    """Checked against its declaration (`Section.__post_init__`): the wrong type, below its minimum, outside its
+    bounds, not one of its choices; the error names the flag, whichever way the config is built."""
+    meta, kind = flag.field.metadata, flag.field.type
+    bad = ["no-such"] if kind != "str" or meta["choices"] is not None else []
+    if kind.startswith("int"):
+        bad += [meta["minimum"] - 1, 2.5, True]
+    if kind.startswith("float") and meta["bounds"] is not None:
+        bad += [float(meta["bounds"][1:-1].split(",")[1]) + 1.0, float("nan")]
+    if flag.name == "compile_backend":  # checked against Dynamo's backends when `compile` is on
+        bad, extra = ["no-such"], {"compile": True}
+    else:
+        extra = {}
+    for value in bad:
+        with pytest.raises(ValueError, match=f"`{flag.name}`"):
+            EngineConfig(**{flag.name: value}, **extra)
+
+
 def test_every_setting_is_a_trainer_flag_with_the_engines_default():
     """`rollout_<flag>` for each setting (nested ones included), set through the trainer config, reaches the
     setting's place in `EngineConfig`."""
