@@ -102,7 +102,7 @@ class PrefixPredictorConfig(Section):
     """The 'prefix' length predictor (also the prefix link of the 'history' chain)."""
 
     flag_prefix = "prefix_predictor_"
-    k: int = setting(16, "k: prefix tokens the 'prefix' predictor reads.", (f"{_SCHED}predictors.py",))
+    k: int = setting(16, "k: prefix tokens the 'prefix' predictor reads.", (f"{_SCHED}predictors.py", "sim/__main__.py"))
     min_train: int = setting(8, "'prefix' predictor: finished samples its head needs before it predicts.",
                              (f"{_SCHED}predictors.py",))
     l2: float | None = setting(None, "'prefix' predictor: ridge penalty of its head (None = chosen by "
@@ -117,7 +117,8 @@ class HistoryPredictorConfig(Section):
     fallback: str = setting(
         "none", "length_predictor='history': what predicts a prompt with no history, before the mean of recent "
         "lengths: 'none', 'siblings' (this call's finished siblings, Seer), 'prefix' (the prefix head; unseen "
-        "prompts' samples probe their first k tokens) or 'siblings+prefix'.", (f"{_SCHED}history_predictor.py",),
+        "prompts' samples probe their first k tokens) or 'siblings+prefix'.",
+        (f"{_SCHED}history_predictor.py", "sim/__main__.py"),
         choices=HISTORY_FALLBACKS)
     mean_window: int = setting(4096, "length_predictor='history': recent finished lengths behind its global mean.",
                                (f"{_SCHED}history_predictor.py",))
@@ -173,7 +174,7 @@ class SchedulingConfig(Section):
     max_active_sequences: int | None = setting(
         32, "g: decode slots (micro-group size) of `micro_group` and `fixed_slot`. `full_group` runs every sample at "
         "once and `dynamic_slot` as many as memory allows, so both ignore it.",
-        ("engine/sampling_modes.py", f"{_SCHED}admission.py", "sim/replay.py", "trainer/trainer.py"))
+        ("engine/sampling_modes.py", f"{_SCHED}admission.py", "sim/replay.py", "sim/__main__.py", "trainer/trainer.py"))
     scheduler: str = setting(
         "lfs", "Order in which pending samples take free slots. Default 'lfs' with the 'history' predictor: prompts "
         "that produced longer completions on earlier visits start first (FIFO order for prompts never seen); chosen "
@@ -184,7 +185,7 @@ class SchedulingConfig(Section):
         "prompt's lengths on earlier calls, then `history_fallback`, then the mean of recent lengths), 'prefix' "
         "(online regression head on the policy's hidden state at completion token k), 'group', 'oracle' (forced "
         "lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> length, or a sequence-classification "
-        "model.", (f"{_SCHED}predictors.py",))
+        "model.", (f"{_SCHED}predictors.py", "sim/__main__.py"))
     chunk_tokens: int | None = setting(
         None, "Divided rollout: a sample decodes at most this many tokens, then returns to the queue with its KV kept "
         "(moved to host memory when the pool needs room). None = off.", ("engine/call.py", "sim/__main__.py"))
