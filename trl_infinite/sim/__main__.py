@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-epochs", nargs="+", type=int, default=None,
                    help="Epochs whose calls are counted (default: the trace's last; earlier ones only teach).")
     p.add_argument("--prefix-mae", nargs="*", type=int, default=None, help="Report the prefix predictor MAE at "
-                   "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct.")
+                   "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct (developer option: needs a source checkout, "
+                   "for `trl_infinite.testing`).")
     p.add_argument("--random-orders", type=int, default=0, help="Add the fifo_random_order row, averaged over this "
                    "many random orders of each prompt's samples (0: no such row).")
     p.add_argument("--json", default=None, help="Write every row as JSON here.")
