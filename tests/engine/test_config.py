@@ -224,6 +224,23 @@ def test_every_setting_refuses_a_bad_value_naming_its_flag(flag):
             EngineConfig(**{flag.name: value}, **extra)
 
 
+def test_sections_and_flags_build_the_same_config():
+    """Flat flags, nested sections, or sections with flags on top: one config; a wrong name is a `TypeError` with the
+    closest flag."""
+    from trl_infinite.engine.config import KVCacheConfig, SchedulingConfig, SLAConfig
+
+    flat = EngineConfig(kv_cache_tokens=512, batch_policy="sla", sla_decode_ms=5.0, sla_window=2, block_size=8)
+    nested = EngineConfig(kv_cache=KVCacheConfig(tokens=512), block_size=8,
+                          scheduling=SchedulingConfig(batch_policy="sla", sla=SLAConfig(decode_ms=5.0, window=2)))
+    assert flat == nested
+    mixed = EngineConfig(scheduling=SchedulingConfig(scheduler="sjf", sla=SLAConfig(alpha=3)), sla_window=7)
+    assert (mixed.scheduling.scheduler, mixed.scheduling.sla.alpha, mixed.scheduling.sla.window) == ("sjf", 3, 7)
+    with pytest.raises(ValueError, match="kv_cache_gb"):
+        EngineConfig(kv_cache=KVCacheConfig(tokens=512), kv_cache_gb=1.0)
+    with pytest.raises(TypeError, match="did you mean 'sla_window'"):
+        EngineConfig(sla_windw=3)
+
+
 def test_every_setting_is_a_trainer_flag_with_the_engines_default():
     """`rollout_<flag>` for each setting (nested ones included), set through the trainer config, reaches the
     setting's place in `EngineConfig`."""

@@ -75,11 +75,6 @@ class Flag:
     def default(self) -> Any:
         return self.field.default
 
-    def get(self, config) -> Any:
-        for name in self.path:
-            config = getattr(config, name)
-        return config
-
 
 def flags(cls: type, path: tuple[str, ...] = ()) -> list[Flag]:
     """Every setting of `cls` and of its nested sections, depth first in declaration order."""
@@ -100,17 +95,12 @@ def with_flags(cls: type, given: dict[str, Any], values: dict[str, Any]) -> dict
     out = {}
     for f in dataclasses.fields(cls):
         sub = f.metadata.get("section")
+        current = given.get(f.name, f.default if sub is None else None)
         if sub is None:
-            flag = cls.flag_prefix + f.name
-            out[f.name] = values.pop(flag) if flag in values else given.get(f.name, f.default)
-            continue
-        current = given.get(f.name)
-        inner = {g.name: getattr(current, g.name) for g in dataclasses.fields(sub)} if current is not None else {}
-        names = {g.name for g in flags(sub)}
-        if current is not None and not names & values.keys():
-            out[f.name] = current
-        elif current is None and not names & values.keys():
-            out[f.name] = sub()
-        else:
+            out[f.name] = values.pop(cls.flag_prefix + f.name, current)
+        elif any(g.name in values for g in flags(sub)):
+            inner = {} if current is None else {g.name: getattr(current, g.name) for g in dataclasses.fields(sub)}
             out[f.name] = sub(**with_flags(sub, inner, values))
+        else:
+            out[f.name] = sub() if current is None else current
     return out
