@@ -202,7 +202,7 @@ class SchedulingConfig(Section):
                 f"`max_active_sequences` must be a positive integer for sampling_mode={self.sampling_mode!r}."
             )
         if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
-            PREDICTORS.check(self.length_predictor)
+            choice("length_predictor", self.length_predictor, PREDICTORS)
         if self.batch_policy == "sla":
             if self.sla.decode_ms is None:
                 raise ValueError("`batch_policy='sla'` needs `sla_decode_ms` (target decode step latency in ms).")
