@@ -163,7 +163,7 @@ def simulate(
     (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
     revisits prompts feeds later epochs the earlier ones)."""
     engine = config.engine
-    history = history if history is not None else PromptHistory.from_config(engine.history)
+    history = history if history is not None else PromptHistory(engine.history)
     predictor = predictor or build_predictor(engine.scheduling, history)
     out = SimResult()
     for chunk in _calls(records, config.prompts_per_call):
