@@ -35,9 +35,9 @@ from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine import exactness as E
 from trl_infinite.engine.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.support import verdict
-from trl_infinite.utils.model_matrix import MAX_NEW, G, early_eos, prompts, reference
-from trl_infinite.utils.model_zoo import random_model
-from trl_infinite.utils.tiny_configs import build_tiny_model, sizes
+from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference
+from trl_infinite.testing.model_zoo import random_model
+from trl_infinite.testing.tiny_configs import build_tiny_model, sizes
 
 SETTINGS = [(torch.float32, None), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
             (torch.bfloat16, None)]
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     if args.model == "smollm2":
         from transformers import AutoModelForCausalLM
 
-        from trl_infinite.utils.offline_models import smollm2_path
+        from trl_infinite.testing.offline_models import smollm2_path
 
         model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
     else:

@@ -16,8 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from trl_infinite.utils.shared_data import dataset_file  # noqa: E402
-from trl_infinite.utils.traces import TraceRecord, load_trace, lognormal_trace  # noqa: E402
+from trl_infinite.sim.traces import TraceRecord, load_trace, lognormal_trace  # noqa: E402
+from trl_infinite.testing.shared_data import dataset_file  # noqa: E402
 
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}  # peak HBM bandwidth by device-name substring (SXM parts)
 GSM8K_TEST = dataset_file("gsm8k")
@@ -108,13 +108,13 @@ def dtype_for(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device):
     """(model, tokenizer or None). "smollm2-real": SmolLM2-135M-Instruct with its real weights and tokenizer
-    (offline); any other name: a random-weight model of that architecture from `trl_infinite.utils.model_zoo`."""
+    (offline); any other name: a random-weight model of that architecture from `trl_infinite.testing.model_zoo`."""
     if name == "smollm2-real":
-        from trl_infinite.utils.offline_models import load_smollm2
+        from trl_infinite.testing.offline_models import load_smollm2
 
         model, tok = load_smollm2(dtype=dtype, device=str(device))
         return model.eval(), tok
-    from trl_infinite.utils.model_zoo import random_model
+    from trl_infinite.testing.model_zoo import random_model
 
     return random_model(name, dtype=dtype, device=device), None
 

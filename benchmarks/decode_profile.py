@@ -20,7 +20,7 @@ from common import Table, pick_device, run_header, write_results
 from torch.profiler import ProfilerActivity, profile
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.model_zoo import model_config
+from trl_infinite.testing.model_zoo import model_config
 
 
 def main(argv=None) -> None:

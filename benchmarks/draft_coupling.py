@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = pick_device("cpu")
-    from trl_infinite.utils.offline_models import load_smollm2
+    from trl_infinite.testing.offline_models import load_smollm2
 
     model, tok = load_smollm2(dtype=torch.float32, device="cpu")
     model.eval()

@@ -9,12 +9,13 @@ from __future__ import annotations
 import ast
 import json
 import random
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from trl_infinite.utils.shared_data import dataset_file
+from trl_infinite.testing.shared_data import dataset_file
 
 
 def word_tokenizer(vocab_size: int):
@@ -93,15 +94,17 @@ def build_trainer(a, kind: str, size, device: torch.device):
         if a.cb_memory_percent is not None:
             common["transformers_continuous_batching_config"] = {"max_memory_percent": a.cb_memory_percent}
     if a.model == "smollm2":
-        from trl_infinite.trainer.rewards import gsm8k_reward
-        from trl_infinite.utils.offline_models import smollm2_path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # examples/rewards.py
+        from rewards import gsm8k_reward
+
+        from trl_infinite.testing.offline_models import smollm2_path
 
         model, tokenizer, reward = str(smollm2_path()), None, gsm8k_reward
         dataset = gsm8k_dataset(gsm8k_path(a), a.num_prompts)
         if a.weights_dtype != "float32":
             common["model_init_kwargs"] = {"dtype": a.weights_dtype}
     else:
-        from trl_infinite.utils.model_zoo import random_model
+        from trl_infinite.testing.model_zoo import random_model
 
         model = random_model(a.model, dtype=getattr(torch, a.weights_dtype), device=device, seed=0)
         vocab = model.config.vocab_size

@@ -9,7 +9,7 @@ beta 0, gradient checkpointing, learning rate 1e-6, ...) except: `per_device_tra
 default, bf16 autocast, on CUDA). The header lists the config the trainers ran with.
 
 Models (`--model`):
-- `smollm2` (default): SmolLM2-135M-Instruct, real weights (offline, `trl_infinite.utils.offline_models`), loaded by
+- `smollm2` (default): SmolLM2-135M-Instruct, real weights (offline, `trl_infinite.testing.offline_models`), loaded by
   TRL from its folder as a user would (float32), GSM8K train questions (`--data`, default
   `$TRL_INFINITE_DATA/gsm8k/train.jsonl` or `../shared/data/...`) as conversational prompts through the chat template,
   reward `gsm8k_reward` against the `answer` column.
@@ -20,7 +20,7 @@ Models (`--model`):
 
 Lengths (`--lengths`): `natural` (the model stops at EOS or `max_completion_length`) or `forced`: every completion
 gets a length drawn once (seed 0, per step and prompt, G per prompt) from `--trace FILE` (the format of
-`trl_infinite.utils.traces`, records cycled) or log-normal (`--mean`, `--sigma`), clipped to
+`trl_infinite.sim.traces`, records cycled) or log-normal (`--mean`, `--sigma`), clipped to
 `max_completion_length`; every trainer does the same work. `generate`: EOS banned before the target and forced at it
 (`ForcedLengthLogitsProcessor`); continuous batching: one request per row with `max_new_tokens` = its target and EOS
 disabled (no per-request logits processor exists there: same forwards, the last token is sampled instead of EOS);
@@ -358,7 +358,7 @@ def main(argv=None) -> None:
     device = pick_device(a.device)
     clock = a.phase_clock if a.phase_clock != "auto" else ("wall" if device.type == "cuda" else "cpu")
     if a.model == "smollm2":  # fail before any worker starts; convert the GGUF once here, not in each worker
-        from trl_infinite.utils.offline_models import smollm2_path
+        from trl_infinite.testing.offline_models import smollm2_path
 
         gsm8k_path(a)
         smollm2_path()

@@ -26,7 +26,7 @@ import torch
 from common import Table, pick_device, run_header, write_results
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.model_zoo import random_model
+from trl_infinite.testing.model_zoo import random_model
 
 CLOCK = time.process_time
 

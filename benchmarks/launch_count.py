@@ -38,7 +38,7 @@ from common import Table, pick_device, run_header, write_results  # noqa: E402
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from trl_infinite.engine.static_decode import StaticDecoder  # noqa: E402
-from trl_infinite.utils.model_zoo import model_config  # noqa: E402
+from trl_infinite.testing.model_zoo import model_config  # noqa: E402
 
 aten = torch.ops.aten
 NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,

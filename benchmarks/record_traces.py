@@ -1,6 +1,6 @@
 """Record per-sample completion-length traces from SmolLM2-135M-Instruct on GSM8K and MATH test prompts.
 
-Each (prompt, epoch) becomes one line of the trace format of `trl_infinite.utils.traces` (G completion lengths,
+Each (prompt, epoch) becomes one line of the trace format of `trl_infinite.sim.traces` (G completion lengths,
 whether each ended on EOS, the prompt ids, the first `--prefix-tokens` completion tokens of every sample, which the
 prefix length predictor is evaluated on, and with `--keep-completions` every completion's token ids, which history
 drafts are evaluated on). Generation uses our own `RolloutEngine` (fixed slots over a bounded KV pool), with the
@@ -37,13 +37,13 @@ DATASETS = {"gsm8k": "question", "math": "problem"}
 
 
 def default_data_root() -> Path:
-    from trl_infinite.utils.shared_data import data_root
+    from trl_infinite.testing.shared_data import data_root
 
     return data_root()
 
 
 def default_out_dir() -> Path:
-    from trl_infinite.utils.offline_models import cache_dir
+    from trl_infinite.testing.offline_models import cache_dir
 
     return cache_dir() / "traces"
 
@@ -90,7 +90,7 @@ def call_seed(seed: int, epoch: int, call: int) -> int:
 
 def record(args: argparse.Namespace, dataset: str, model, tokenizer) -> Path:
     from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-    from trl_infinite.utils.traces import TraceRecord, record_to_json
+    from trl_infinite.sim.traces import TraceRecord, record_to_json
 
     out = Path(args.out_dir) / f"{dataset}_smollm2.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir = args.out_dir or str(default_out_dir())
     import torch
 
-    from trl_infinite.utils.offline_models import load_smollm2
+    from trl_infinite.testing.offline_models import load_smollm2
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()

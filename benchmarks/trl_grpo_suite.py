@@ -117,7 +117,7 @@ _SPECIAL = re.compile(r"<\|[^<>|\s]{1,40}\|>|</?(?:tool_call|tool_response|think
 def _tokenizer(template_name: str | None, eos: str, bos: str | None, pad: str):
     import trl.chat_template_utils as ctu
 
-    from trl_infinite.utils.offline_models import byte_tokenizer
+    from trl_infinite.testing.offline_models import byte_tokenizer
 
     template = getattr(ctu, f"{template_name}_chat_template") if template_name else (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"

@@ -9,7 +9,7 @@
 
 `--dataset_name` is a Hub id or a local `.jsonl`/`.json` file. The prompt comes from the `prompt` column, or is built
 from `question` (GSM8K) / `problem` (MATH) as a chat message; the other columns reach the reward functions as keyword
-arguments (`answer`, `solution`, ...). `--reward_funcs` takes names from `trl_infinite.trainer.rewards.REWARDS`.
+arguments (`answer`, `solution`, ...). `--reward_funcs` takes names from `examples/rewards.py` (`REWARDS`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from datasets import load_dataset
+from rewards import REWARDS  # examples/rewards.py, beside this script
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_infinite import InfiniteGRPOConfig, InfiniteGRPOTrainer
-from trl_infinite.trainer.rewards import REWARDS
 
 SYSTEM_PROMPT = "Solve the problem step by step, then give the final answer in \\boxed{}."
 

@@ -21,10 +21,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from datasets import Dataset, load_dataset  # noqa: E402
+from rewards import format_reward, gsm8k_reward, knights_knaves_reward  # noqa: E402  (examples/rewards.py)
 
 from trl_infinite import InfiniteGRPOConfig, InfiniteGRPOTrainer  # noqa: E402
-from trl_infinite.trainer.rewards import format_reward, gsm8k_reward, knights_knaves_reward  # noqa: E402
-from trl_infinite.utils.offline_models import load_smollm2  # noqa: E402
+from trl_infinite.testing.offline_models import load_smollm2  # noqa: E402
 
 INSTRUCTIONS = {
     "basic_arithmetic": "Answer with the final number only.",

@@ -1,4 +1,6 @@
-"""The package's import structure: no import cycle, every module imports on its own, the engine never imports `trl`.
+"""The package's import structure: no import cycle, every module imports on its own, the layers import downwards
+only (`engine` <- `sim`, `trainer`; the plug-in registry a leaf; the developer tools in `testing` imported by no
+core module), the engine never imports `trl`.
 
 The import graph is read from the source with `ast`: a module -> every `trl_infinite` module it names in an `import`
 or `from ... import` statement, relative imports resolved, `from pkg import sub` counted as an import of `pkg.sub`.
@@ -119,6 +121,40 @@ def test_no_import_cycle():
 def test_engine_never_imports_trl():
     offenders = [m for m in MODULES if not m.startswith(f"{PACKAGE}.trainer") and "trl" in _imports(m)[1]]
     assert offenders == []
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_layers_import_downwards_only():
+    """engine <- sim, engine <- trainer; the engine imports neither, sim and trainer not each other; speculative
+    decoding is part of the engine (`engine/spec_decode`)."""
+    allowed = {"engine": {"engine"}, "sim": {"engine", "sim"}, "trainer": {"engine", "trainer"},
+               "": {"engine", "trainer"}}  # the package's `__init__` re-exports (the trainer lazily)
+    offenders = [(m, t) for m, targets in GRAPH.items() for t in targets if _layer(m) in allowed
+                 and _layer(t) not in allowed[_layer(m)] | {"testing"} and t != PACKAGE]
+    assert offenders == []
+    assert "trl_infinite.engine.spec_decode" in MODULES and not any(m.startswith("trl_infinite.spec_decode")
+                                                                     for m in MODULES)
+
+
+def test_developer_tools_are_not_imported_by_the_core():
+    """`trl_infinite.testing` (tiny configs, random models, offline weights, the model matrix) is for tests and
+    benchmarks: only itself and command-line entry points (`__main__`, developer options only) import it."""
+    offenders = [m for m, targets in GRAPH.items() for t in targets
+                 if t.startswith(f"{PACKAGE}.testing") and _layer(m) != "testing" and not m.endswith("__main__")]
+    assert offenders == []
+    assert not (ROOT / "utils").exists()  # the old mixed `utils/` (core registry + dev tools) is gone
+    pyproject = (ROOT.parent / "pyproject.toml").read_text()
+    assert f'exclude = ["{PACKAGE}.testing*"]' in pyproject  # and the wheel does not ship them
+
+
+def test_plugin_registry_is_a_leaf():
+    """The registries name the plug-ins' modules as strings: importing them imports no plug-in (nor anything else of
+    the package), so `EngineConfig` validates names without loading schedulers, drafters or kernels."""
+    assert GRAPH["trl_infinite.engine.registry"] == set()
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():

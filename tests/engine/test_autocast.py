@@ -27,8 +27,8 @@ from _models import tiny_model
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine import support
 from trl_infinite.engine.attention import cpu_decode
-from trl_infinite.utils.model_matrix import MAX_NEW, G, early_eos, prompts, reference
-from trl_infinite.utils.tiny_configs import build_tiny_model, sizes
+from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference
+from trl_infinite.testing.tiny_configs import build_tiny_model, sizes
 
 BF16 = torch.bfloat16
 

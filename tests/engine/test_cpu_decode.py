@@ -25,8 +25,8 @@ from _models import frequent_token, reference_greedy, tiny_model
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
-from trl_infinite.utils.model_matrix import check_model, main
-from trl_infinite.utils.tiny_configs import SIZES, build_tiny_model, sizes
+from trl_infinite.testing.model_matrix import check_model, main
+from trl_infinite.testing.tiny_configs import SIZES, build_tiny_model, sizes
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
                                 "(without it the engine logs a warning and keeps the torch path)")

@@ -27,7 +27,7 @@ from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.cuda_graphs import CaptureError
 from trl_infinite.engine.graph_emulation import GraphEmulator, emulate_cuda_graphs
 from trl_infinite.engine.step_graphs import StepGraphs
-from trl_infinite.utils.tiny_configs import build_tiny_model
+from trl_infinite.testing.tiny_configs import build_tiny_model
 
 BLOCK = 4
 PROMPTS = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]
@@ -154,7 +154,7 @@ def test_speculative_verify_steps_between_replays():
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9]]
     refs = [reference_greedy(model, p, 16, []) for p in prompts]
-    engine, emu = _engine(model, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=3,
+    engine, emu = _engine(model, speculative_method="ngram", speculative_adaptive=False, speculative_num_tokens=3,
                           speculative_ngram_min_n=1)
     result = engine.generate(prompts, 2, SamplingParams(max_new_tokens=16, temperature=0.0))
     assert result.completion_ids == [r for r in refs for _ in range(2)]

@@ -16,7 +16,7 @@ import torch
 from _models import reference_greedy, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.tiny_configs import build_tiny_model
+from trl_infinite.testing.tiny_configs import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROMPTS = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]]

@@ -117,7 +117,7 @@ def test_sliding_window_model_matches_generate():
 
 def test_model_zoo_tiny_matches_generate():
     """`random_model("tiny")` (the benchmark's default) runs through the engine like any HF model."""
-    from trl_infinite.utils.model_zoo import random_model
+    from trl_infinite.testing.model_zoo import random_model
 
     model = random_model("tiny", torch.float32, "cpu")
     prompts = _prompts(2)

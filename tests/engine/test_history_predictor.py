@@ -2,12 +2,17 @@
 
 import pytest
 
+from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.history import PromptHistory
+from trl_infinite.engine.registry import SCHEDULERS
 from trl_infinite.engine.scheduling.base import SchedulerView
-from trl_infinite.engine.scheduling.factory import build_policies, build_predictor
 from trl_infinite.engine.scheduling.history_predictor import HistoryPredictor, SortedLengths
-from trl_infinite.engine.scheduling.predictors import GroupPredictor
+from trl_infinite.engine.scheduling.predictors import GroupPredictor, build_predictor
 from trl_infinite.engine.sequence import Group, Sequence
+
+
+def scheduling(**flags):
+    return EngineConfig(length_predictor="history", **flags).scheduling
 
 
 def group(prompt, g=4, gid=0):
@@ -30,7 +35,7 @@ def test_sorted_lengths_conditional_means():
 def test_history_by_rank_and_elapsed():
     hist = PromptHistory()
     hist.record([1, 2], [10, 20, 30, 40])
-    pred = build_predictor("history", 16, hist, "prefix")
+    pred = build_predictor(scheduling(prefix_predictor_k=16, history_fallback="prefix"), hist)
     grp, seqs = group([1, 2])
     pred.begin_call([grp])
     assert pred.predict_with_source(seqs[0]) == (25, "history")  # the mean of the prompt's past lengths
@@ -45,7 +50,7 @@ def test_history_by_rank_and_elapsed():
 
 
 def test_siblings_then_global_without_history():
-    pred = HistoryPredictor(PromptHistory(), k=4, fallback="siblings")
+    pred = HistoryPredictor(scheduling(prefix_predictor_k=4, history_fallback="siblings"), PromptHistory())
     grp, seqs = group([7])
     other, others = group([8], gid=1)
     pred.begin_call([grp, other])
@@ -59,19 +64,19 @@ def test_siblings_then_global_without_history():
     assert pred.predict_with_source(seqs[2]) == (50, "siblings")
     pred.begin_call([grp])  # a new call: siblings are those of this call only
     assert pred.predict_with_source(seqs[3])[1] == "global"
-    plain = HistoryPredictor(PromptHistory(), k=4)  # the default chain skips siblings (and the prefix probe)
+    plain = HistoryPredictor(scheduling(prefix_predictor_k=4), PromptHistory())  # the default chain skips siblings (and the prefix probe)
     plain.begin_call([grp])
     plain.observe(Sequence(grp, 0, 100, output_ids=[0] * 30))
     assert plain.predict_with_source(seqs[3]) == (30, "global") and not plain.needs_prefix(seqs[3])
     assert plain.prefix_k is None and not plain.wants_hidden
     with pytest.raises(ValueError, match="history_fallback"):
-        HistoryPredictor(fallback="group")
+        scheduling(history_fallback="group")
 
 
 def test_first_prediction_is_scored_against_the_constant_mean():
     hist = PromptHistory()
     hist.record([3], [100, 100])
-    pred = HistoryPredictor(hist, k=4)
+    pred = HistoryPredictor(scheduling(prefix_predictor_k=4), hist)
     warm, warm_seqs = group([4], g=2, gid=1)
     grp, seqs = group([3], g=2)
     pred.begin_call([warm, grp])
@@ -101,8 +106,9 @@ def test_only_samples_without_history_probe_their_prefix(known, fallback):
     hist = PromptHistory()
     if known:
         hist.record([5, 5], [30, 30, 30, 30])
-    pred = build_predictor("history", 4, hist, fallback)
-    policy, _ = build_policies("lfs", "static", pred, num_slots=4)
+    config = scheduling(prefix_predictor_k=4, history_fallback=fallback)
+    pred = build_predictor(config, hist)
+    policy = SCHEDULERS.build("lfs", config, pred, 4)
     grp, seqs = group([5, 5])
     policy.on_submit([grp], seqs)
     assert policy.chunk_limit(seqs[0]) == (5 if fallback == "prefix" and not known else None)
@@ -112,8 +118,9 @@ def test_lfs_max_runs_the_prompt_with_the_longest_known_completion_first():
     hist = PromptHistory()
     hist.record([1], [5, 6, 7, 8])
     hist.record([2], [3, 3, 3, 40])  # shorter on average, but its longest completion is the longest known
-    pred = build_predictor("history", 16, hist)
-    policy, _ = build_policies("lfs_max", "static", pred, num_slots=2)
+    config = scheduling(prefix_predictor_k=16)
+    pred = build_predictor(config, hist)
+    policy = SCHEDULERS.build("lfs_max", config, pred, 2)
     (g1, s1), (g2, s2), (g3, s3) = group([1]), group([2], gid=1), group([3], gid=2)
     policy.on_submit([g1, g2, g3], s1 + s2 + s3)
     waiting = s1 + s2 + s3

@@ -72,8 +72,8 @@ def test_eos_int_and_tensor_are_accepted():
 
 @pytest.mark.parametrize(
     "field",
-    ["block_size", "max_active_sequences", "kv_cache_tokens", "default_cpu_kv_tokens", "max_prefill_tokens",
-     "prefix_predictor_k", "chunk_tokens", "num_speculative_tokens"],
+    ["block_size", "max_active_sequences", "kv_cache_tokens", "kv_cache_cpu_tokens", "max_prefill_tokens",
+     "prefix_predictor_k", "chunk_tokens", "speculative_num_tokens"],
 )
 @pytest.mark.parametrize("value", [2.5, 16.0, True])
 def test_engine_config_integer_fields_reject_floats_and_bools(field, value):

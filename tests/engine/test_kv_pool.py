@@ -7,8 +7,7 @@ import torch
 from _models import tiny_model
 
 from trl_infinite import EngineConfig, KVCachePool, RolloutEngine, SamplingParams
-from trl_infinite.engine.block_manager import BlockAllocator, blocks_for
-from trl_infinite.engine.kv_pool import pool_size
+from trl_infinite.engine.block_manager import BlockAllocator, blocks_for, pool_size
 
 BLOCK = 4
 PROMPT_LEN = 10  # 3 blocks of 4 (the last one partial), shared by all samples of the prompt
@@ -151,7 +150,7 @@ def test_model_zoo_configs_match_published_sizes(name):
     """Named configs build the real architecture (parameter count within 0.1% of the published model's)."""
     from transformers import AutoModelForCausalLM
 
-    from trl_infinite.utils.model_zoo import model_config
+    from trl_infinite.testing.model_zoo import model_config
 
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(model_config(name))
@@ -161,7 +160,7 @@ def test_model_zoo_configs_match_published_sizes(name):
 def test_kv_block_bytes_of_a_real_geometry():
     """Qwen3-1.7B: 28 layers x 8 KV heads x head_dim 128; a 16-token bf16 block is 2*28*16*8*128*2 bytes."""
     from trl_infinite.engine.kv_pool import kv_geometry
-    from trl_infinite.utils.model_zoo import model_config
+    from trl_infinite.testing.model_zoo import model_config
 
     assert kv_geometry(model_config("qwen3-1.7b")) == (28, 8, 128)
     pool = KVCachePool(model_config("qwen3-1.7b"), EngineConfig(kv_cache_tokens=32, block_size=16), torch.bfloat16,
@@ -170,7 +169,7 @@ def test_kv_block_bytes_of_a_real_geometry():
 
 
 def test_model_zoo_unknown_name():
-    from trl_infinite.utils.model_zoo import random_model
+    from trl_infinite.testing.model_zoo import random_model
 
     with pytest.raises(ValueError, match="config"):
         random_model("gpt-7")

@@ -80,7 +80,7 @@ def test_greedy_processors_with_speculative_decoding_match_generate(model):
     eos, _ = greedy_cases(model)
     kwargs = dict(no_repeat_ngram_size=2, suppress_tokens=[3])
     params = SamplingParams(max_new_tokens=MAX_NEW, do_sample=False, eos_token_ids=[eos], generation_kwargs=kwargs)
-    engine = engine_for(model, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=3)
+    engine = engine_for(model, speculative_method="ngram", speculative_adaptive=False, speculative_num_tokens=3)
     result = engine.generate(PROMPTS, 2, params)
     expected = [generate_alone(model, p, [eos], **kwargs) for p in PROMPTS]
     assert result.completion_ids == [e for e in expected for _ in range(2)]

@@ -1,4 +1,4 @@
-"""The long tail of `docs/models.md` (`python -m trl_infinite.utils.model_matrix`), kept cheap: every model type the
+"""The long tail of `docs/models.md` (`python -m trl_infinite.testing.model_matrix`), kept cheap: every model type the
 matrix found token-identical decodes one 17-token prompt (past the tiny configs' sliding window of 6 and chunk of 5)
 token-identically to `model.generate` through the engine (fixed_slot, block size 5); every refused one is refused
 up front for the same reason. The five named models run the full matrix checks in `test_model_support.py`."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.model_matrix import forward_greedy, prompts, reference
-from trl_infinite.utils.tiny_configs import build_tiny_model
+from trl_infinite.testing.model_matrix import forward_greedy, prompts, reference
+from trl_infinite.testing.tiny_configs import build_tiny_model
 
 TOKEN_IDENTICAL = (
     "afmoe", "apertus", "arcee", "aria_text", "axk1", "beam", "bert", "bert-generation", "biogpt", "bitnet",

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.utils.model_matrix import MAX_NEW, G, early_eos, prompts, reference
-from trl_infinite.utils.tiny_configs import build_tiny_model
+from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference
+from trl_infinite.testing.tiny_configs import build_tiny_model
 
 
 def _sharpen(model: torch.nn.Module, factor: float) -> torch.nn.Module:

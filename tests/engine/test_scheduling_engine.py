@@ -1,5 +1,6 @@
-"""The engine runs the simulator's scheduler: same decode steps on forced lengths; divided rollout, memory admission
-and the prefix predictor inside the real engine (tiny random model)."""
+"""The engine runs the simulator's scheduler: same decode steps on forced lengths (every registered scheduler x batch
+policy x sampling mode); divided rollout, memory admission and the prefix predictor inside the real engine (tiny
+random model)."""
 
 import random
 
@@ -7,8 +8,10 @@ import pytest
 from _models import tiny_model
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.executor import ModelExecutor
+from trl_infinite.engine.registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
 from trl_infinite.sim import SimConfig, simulate
-from trl_infinite.utils.traces import TraceRecord
+from trl_infinite.sim.traces import TraceRecord
 
 RNG = random.Random(0)
 PROMPTS = [[RNG.randrange(5, 90) for _ in range(RNG.randint(3, 9))] for _ in range(2)]
@@ -51,13 +54,46 @@ def test_engine_matches_simulator_across_calls_with_history(model, scheduler, ch
              .stats.decode_steps for e, lengths in enumerate(epochs)]
     records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=40, prompt_ids=p, epoch=e)
                for e, lengths in enumerate(epochs) for i, (p, g) in enumerate(zip(PROMPTS, lengths))]
-    sim = simulate(records, SimConfig(sampling_mode="fixed_slot", scheduler=scheduler, slots=3, prompts_per_call=2,
-                                      block_size=4, kv_cache_tokens=240, chunk_tokens=chunk,
-                                      length_predictor="history", prefix_k=64))
+    sim = simulate(records, SimConfig(cfg, prompts_per_call=2))
     assert steps == [c.decode_steps for c in sim.calls]
     assert len(engine.history) == 2 and engine.history.lengths(PROMPTS[1]) == LENGTHS[1] + epochs[1][1]
     if scheduler != "lfs_max":  # it ranks by the longest known length, not the predictor's estimate
         assert engine.predictor.mae_by_source()["history"][1] == 12  # every second-call sample ranked by history
+
+
+STEP_MS = (1.0, 1.0)  # decode step time model (1 ms + 1 ms per row): what `sla` decides from, engine and simulator
+SHORT = [[RNG.randint(1, 14) for _ in range(6)] for _ in PROMPTS]
+SAME = ("decode_steps", "tail_decode_steps", "scheduler_steps", "active_sequence_steps", "peak_active_sequences",
+        "peak_kv_blocks", "num_kv_blocks", "preemptions", "prompt_evictions", "parks", "offloaded_blocks",
+        "generated_tokens")
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING_MODES))
+def test_engine_and_simulator_take_the_same_steps_for_every_plugin(model, monkeypatch, mode):
+    """Every registered scheduler x batch policy in this sampling mode, on forced lengths: the engine and the
+    simulator, built from one `EngineConfig`, schedule alike (same steps, batch sizes, blocks, preemptions). The
+    `sla` policy decides from the same deterministic step-time model in both (the engine's measured step times
+    replaced by it)."""
+    monkeypatch.setattr(ModelExecutor, "step_seconds",
+                        lambda self, batch, measured: (STEP_MS[0] + STEP_MS[1] * len(batch.decode)) / 1e3)
+    records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=16)
+               for i, (p, g) in enumerate(zip(PROMPTS, SHORT))]
+    steps = {}
+    for scheduler in SCHEDULERS:
+        for policy in BATCH_POLICIES:
+            cfg = EngineConfig(sampling_mode=mode, max_active_sequences=3, scheduler=scheduler, batch_policy=policy,
+                               length_predictor="oracle", kv_cache_tokens=160, block_size=4, sla_decode_ms=3.0,
+                               sla_window=1)
+            res = RolloutEngine(model, cfg).generate(PROMPTS, 6, SamplingParams(max_new_tokens=16, seed=1),
+                                                     forced_lengths=SHORT)
+            assert [len(c) for c in res.completion_ids] == [n for g in SHORT for n in g]
+            sim = simulate(records, SimConfig(cfg, prompts_per_call=2, step_ms=STEP_MS))
+            assert sim.lengths_preserved and len(sim.calls) == 1
+            assert {k: getattr(res.stats, k) for k in SAME} == {k: getattr(sim.calls[0], k) for k in SAME}, (
+                scheduler, policy)
+            steps[scheduler, policy] = res.stats.decode_steps
+    # the policies do decide: the SLA bound (about 2 rows at 3 ms) changes the schedule of some scheduler
+    assert any(steps[s, "sla"] != steps[s, "static"] for s in SCHEDULERS)
 
 
 def test_one_token_samples_take_no_decode_row(model):
@@ -77,11 +113,10 @@ def _check_engine_equals_simulator(model, mode, scheduler, chunk, lengths):
     assert [len(c) for c in res.completion_ids] == [n for g in lengths for n in g]  # nothing lost or shortened
     records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=40)
                for i, (p, g) in enumerate(zip(PROMPTS, lengths))]
-    sim = simulate(records, SimConfig(sampling_mode=mode, scheduler=scheduler, slots=3, prompts_per_call=2,
-                                      block_size=4, kv_cache_tokens=240, chunk_tokens=chunk))
+    sim = simulate(records, SimConfig(cfg, prompts_per_call=2)).total()
     assert res.stats.decode_steps == sim.decode_steps
     assert res.stats.peak_kv_blocks == sim.peak_kv_blocks
-    assert res.stats.tail_decode_steps == sim.tail_steps
+    assert res.stats.tail_decode_steps == sim.tail_decode_steps
 
 
 def test_divided_rollout_offload_is_lossless(model):
@@ -104,10 +139,9 @@ def test_memory_batch_policy_in_engine_stays_in_pool(model):
 
 def test_prefix_predictor_learns_from_hidden_states(model):
     cfg = EngineConfig(sampling_mode="fixed_slot", max_active_sequences=4, scheduler="sjf", length_predictor="prefix",
-                       prefix_predictor_k=2, kv_cache_tokens=600, block_size=4)
+                       prefix_predictor_k=2, prefix_predictor_min_train=4, kv_cache_tokens=600, block_size=4)
     engine = RolloutEngine(model, cfg)
     sp = SamplingParams(max_new_tokens=40, seed=3)
-    engine.predictor.min_train = 4
     for _ in range(2):
         res = engine.generate(PROMPTS, 6, sp, forced_lengths=LENGTHS)
         assert [len(c) for c in res.completion_ids] == [n for g in LENGTHS for n in g]

@@ -5,17 +5,16 @@ import random
 
 import pytest
 
+from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.block_manager import BlockAllocator
-from trl_infinite.engine.loop import drive
-from trl_infinite.engine.outputs import RolloutStats
-from trl_infinite.engine.plugins import SCHEDULERS
-from trl_infinite.engine.scheduler import Scheduler
+from trl_infinite.engine.call import RolloutCall
+from trl_infinite.engine.registry import SCHEDULERS
 from trl_infinite.engine.scheduling.admission import SLAAdmission
-from trl_infinite.engine.scheduling.factory import build_policies, build_predictor
 from trl_infinite.engine.scheduling.fptas import fptas_partition, lpt, makespan
+from trl_infinite.engine.scheduling.predictors import build_predictor
 from trl_infinite.sim import SimConfig, oracle_bound, simulate
 from trl_infinite.sim.replay import TraceExecutor, _requests
-from trl_infinite.utils.traces import TraceRecord, lognormal_trace
+from trl_infinite.sim.traces import TraceRecord, lognormal_trace
 
 
 def trace(*groups, max_new=64):
@@ -23,20 +22,21 @@ def trace(*groups, max_new=64):
             for i, g in enumerate(groups)]
 
 
-def steps(records, mode="fixed_slot", scheduler="fifo", slots=2, **kw):
-    res = simulate(records, SimConfig(sampling_mode=mode, scheduler=scheduler, slots=slots, block_size=4,
-                                      prompts_per_call=len(records), **kw))
+def steps(records, mode="fixed_slot", scheduler="fifo", slots=2, length_predictor="oracle", **kw):
+    engine = EngineConfig(sampling_mode=mode, scheduler=scheduler, max_active_sequences=slots, block_size=4,
+                          length_predictor=length_predictor, **kw)
+    res = simulate(records, SimConfig(engine, prompts_per_call=len(records)))
     assert res.lengths_preserved
-    return res
+    return res.total()
 
 
 def finish_order(records, scheduler, slots=1, predictor="oracle"):
     groups = _requests(records, 64)
-    policy, admission = build_policies(scheduler, "static", build_predictor(predictor), num_slots=slots)
-    sched = Scheduler(BlockAllocator(200, 4), policy, admission, "fixed_slot", slots)
-    sched.submit(groups, [s for g in groups for s in g.samples])
-    drive(sched, TraceExecutor(None, None, {g.group_id: g.group_id for g in groups}), RolloutStats())
-    return [(s.group_id, s.sample_idx) for s in sched.finished]
+    cfg = EngineConfig(sampling_mode="fixed_slot", scheduler=scheduler, max_active_sequences=slots,
+                       length_predictor=predictor)
+    call = RolloutCall.build(cfg, groups, BlockAllocator(200, 4), build_predictor(cfg.scheduling))
+    call.run(TraceExecutor(None, None, {g.group_id: g.group_id for g in groups}))
+    return [(s.group_id, s.sample_idx) for s in call.scheduler.finished]
 
 
 def test_step_convention_one_sample():
@@ -108,9 +108,9 @@ def test_no_policy_loses_or_shortens_a_sample():
         for mode in ("micro_group", "fixed_slot", "dynamic_slot", "full_group"):
             for pred in ("oracle", "group", "none"):
                 res = steps(recs, mode, sched, slots=3, length_predictor=pred)
-                assert res.num_samples == 24 and res.lengths_preserved, (sched, mode, pred)
+                assert res.num_samples == 24, (sched, mode, pred)
     res = steps(recs, "dynamic_slot", "seer", slots=3, chunk_tokens=4, kv_cache_tokens=240)
-    assert res.lengths_preserved and res.offloaded_blocks > 0
+    assert res.offloaded_blocks > 0
 
 
 def test_memory_admission_preempts_when_estimate_is_wrong_and_never_exceeds_pool():
@@ -118,28 +118,27 @@ def test_memory_admission_preempts_when_estimate_is_wrong_and_never_exceeds_pool
     recs = trace([3] * 6 + [60] * 10, max_new=64)
     pool_tokens = 200
     res = steps(recs, "dynamic_slot", "fifo", batch_policy="memory", kv_cache_tokens=pool_tokens)
-    assert res.lengths_preserved and res.num_samples == 16
+    assert res.num_samples == 16
     assert res.peak_kv_blocks <= pool_tokens // 4
     assert res.preemptions > 0  # a wrong guess preempts, it never fails
-    static = steps(recs, "dynamic_slot", "fifo", kv_cache_tokens=pool_tokens)
-    assert static.lengths_preserved
+    steps(recs, "dynamic_slot", "fifo", kv_cache_tokens=pool_tokens)  # `steps` checks every length is kept
 
 
 def test_memory_admission_is_conservative_before_statistics():
     # before 4 samples finished every sample counts as max_new_tokens: 64 tokens = 16 blocks, pool of 50 blocks
     recs = trace([30] * 8, max_new=64)
     res = steps(recs, "dynamic_slot", "fifo", batch_policy="memory", kv_cache_tokens=200)
-    assert res.preemptions == 0 and res.lengths_preserved
-    assert res.mean_active <= 3.0
+    assert res.preemptions == 0
+    assert res.mean_active_sequences <= 3.0
 
 
 def test_sla_admission_binary_search_converges():
     # latency model: 1 ms per running sample; SLA 10 ms -> the batch size settles around 10
-    sla = SLAAdmission(sla_decode_ms=10.0, max_batch=64, window=1)
+    sla = SLAAdmission(EngineConfig(sla_decode_ms=10.0, max_active_sequences=64, sla_window=1).scheduling)
     b = sla.max_running(None)
     for _ in range(60):
         sla.on_step_time(b, b / 1000.0)
         b = sla.max_running(None)
     assert 8 <= b <= 12, sla.history
     with pytest.raises(ValueError, match="sla_decode_ms"):
-        SLAAdmission()
+        SLAAdmission(EngineConfig().scheduling)

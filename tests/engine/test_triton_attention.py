@@ -243,7 +243,7 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch):
 def _tiny(name: str):
     if name == "qwen3":
         return tiny_model("qwen3")
-    from trl_infinite.utils.tiny_configs import build_tiny_model
+    from trl_infinite.testing.tiny_configs import build_tiny_model
 
     return build_tiny_model(name)  # gpt_oss: sinks + sliding window 6; deepseek_v3: MLA (K 12 wide, V 8)
 

@@ -53,7 +53,7 @@ class Case:
 
     def engine_config(self, draft_model=None) -> EngineConfig:
         bs = self.config["block_size"]
-        lookahead = self.config["num_speculative_tokens"] if self.config.get("speculative_method") else 0
+        lookahead = self.config["speculative_num_tokens"] if self.config.get("speculative_method") else 0
         need = max(blocks_for(len(p), bs) + blocks_for(c.sampling.max_new_tokens + lookahead, bs)
                    for c in self.calls for p in c.prompts)
         draft = draft_model if self.config.get("speculative_method") in ("draft_model", "best_of_n") else None
@@ -127,7 +127,7 @@ def engine_settings(draw, allow_compile: bool) -> dict:
     if cfg["batch_policy"] == "memory":
         cfg["memory_min_observations"] = draw(st.integers(1, 4))
     method = draw(st.sampled_from([None, None, "suffix", "ngram", "best_of_n", "draft_model"]))
-    cfg.update(speculative_method=method, num_speculative_tokens=draw(st.integers(1, 5)))
+    cfg.update(speculative_method=method, speculative_num_tokens=draw(st.integers(1, 5)))
     if method is not None:
         cfg.update(speculative_adaptive=draw(st.booleans()),
                    speculative_suffix_sources=draw(st.sampled_from(["siblings+history", "siblings", "history"])),
@@ -233,7 +233,7 @@ def check_call(model, engine: RolloutEngine, call: Call, result: RolloutResult, 
     s = result.stats
     assert s.peak_kv_blocks <= s.num_kv_blocks <= engine.pool.budget_blocks()  # the call's pool, within the budget
     assert engine.pool.allocator.num_used == 0  # nothing held after the call
-    assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache_release  # released, or kept on request
+    assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache.release  # released, or kept on request
     assert len(result.completion_ids) == len(call.prompts) * call.num_generations
     check_same_tokens(model, call, result, reference)
 
@@ -316,6 +316,6 @@ def interrupted(model, engine: RolloutEngine, call: Call) -> None:
     except _Fault:
         pass
     assert engine.pool.allocator.num_used == 0
-    assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache_release
+    assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache.release
     assert engine.predictor.predictions == {}
     assert (model.training, model.config._attn_implementation) == state

@@ -24,7 +24,7 @@ BASE = {
     "scheduler": "fifo", "length_predictor": "history", "history_fallback": "none", "prefix_predictor_k": 1,
     "prefix_predictor_min_train": 2, "batch_policy": "static", "chunk_tokens": None, "cpu_decode_kernel": False,
     "history_max_prompts": 0, "history_max_visits": 1, "history_max_tokens": 0, "compile": False,
-    "speculative_method": None, "num_speculative_tokens": 1,
+    "speculative_method": None, "speculative_num_tokens": 1,
 }
 
 

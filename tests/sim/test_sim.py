@@ -7,26 +7,42 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from trl_infinite.engine import EngineConfig
 from trl_infinite.sim.__main__ import ROWS, main, run_table
 from trl_infinite.sim.prefix_eval import evaluate_mae
 from trl_infinite.sim.replay import SimConfig, _calls, simulate
-from trl_infinite.utils.traces import TraceRecord, lognormal_trace, save_trace
+from trl_infinite.sim.traces import TraceRecord, lognormal_trace, save_trace
 
 
 def test_cli_table_on_a_trace(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     save_trace(lognormal_trace(3, 16, 60, 0.8, 256, seed=1), path)
-    main(["--trace", str(path), "--slots", "4", "--json", str(tmp_path / "out.json")])
+    main(["--trace", str(path), "--max_active_sequences", "4", "--json", str(tmp_path / "out.json")])
     text = capsys.readouterr().out
     for name in ("micro_group", "fixed_slot", "dynamic_slot", "fptas", "sjf", "infinite", "seer", "oracle", "bound"):
         assert f"| {name} |" in text
     assert (tmp_path / "out.json").exists()
 
 
+def test_cli_takes_every_engine_setting_by_its_flag(tmp_path, capsys):
+    """The engine's settings are the CLI's `--<flag>` (the trainer's `rollout_<flag>`), none under another name."""
+    from trl_infinite.engine.sections import flags
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(f"--{f.name} " in text for f in flags(EngineConfig))
+    path = tmp_path / "t.jsonl"
+    save_trace(lognormal_trace(2, 8, 30, 0.5, 64, seed=3), path)
+    main(["--trace", str(path), "--max_active_sequences", "3", "--length_predictor", "group", "--chunk_tokens", "none",
+          "--kv_cache_release", "false", "--policies", "fixed_slot", "--json", str(tmp_path / "o.json")])
+    assert "g=3, predictor=group" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("prompts_per_call", [1, 2])
 def test_table_orders_and_bound(prompts_per_call):
     recs = lognormal_trace(4, 32, 120, 0.8, 512, seed=2)
-    config = SimConfig(slots=4 * prompts_per_call, prompts_per_call=prompts_per_call)
+    config = SimConfig(EngineConfig(max_active_sequences=4 * prompts_per_call), prompts_per_call=prompts_per_call)
     rows = {r["policy"]: r for r in run_table(recs, config, "oracle", rows=[r for r in ROWS if not r.divided])}
     bound = rows["bound"]["decode_steps"]
     for name, r in rows.items():
@@ -68,16 +84,16 @@ def test_second_epoch_is_scheduled_from_the_first(history_prompts, second_call):
     # With prompt 1's length from the first epoch, `lfs` starts it first (both prompts prefilled before the first
     # decode step): 8 steps, the bound. Without history the second epoch has nothing to go on and repeats the first.
     recs = _revisit([2, 2, 2], [9])
-    cfg = SimConfig(scheduler="lfs", length_predictor="history", slots=2, prompts_per_call=2, block_size=4,
-                    history_max_prompts=history_prompts)
+    cfg = SimConfig(EngineConfig(scheduler="lfs", length_predictor="history", max_active_sequences=2, block_size=4,
+                                 history_max_prompts=history_prompts), prompts_per_call=2)
     res = simulate(recs, cfg)
     assert [c.decode_steps for c in res.calls] == [10, second_call]
-    summary = res.epoch_summary({1})
-    assert (summary.calls, summary.decode_steps, summary.bound) == (1, second_call, 8)
-    if history_prompts:
-        assert summary.prediction_mae == 0 and summary.scored_samples == 4  # each prompt repeats its lengths
-    rows = {r["policy"]: r for r in run_table(recs, replace(cfg, scheduler="fifo"), "history",
-                                              rows=[ROWS[0], ROWS[1], ROWS[7]])}
+    summary = res.total({1})
+    assert (res.epochs.count(1), summary.decode_steps, res.bound({1})) == (1, second_call, 8)
+    if history_prompts:  # each prompt repeats its lengths
+        assert summary.prediction_mae == 0 and len(summary.prediction_errors) == 4
+    rows = {r["policy"]: r for r in run_table(recs, replace(cfg, engine=replace(cfg.engine, scheduler="fifo")),
+                                              "history", rows=[ROWS[0], ROWS[1], ROWS[7]])}
     assert rows["fixed_slot"]["decode_steps"] == 10 and rows["lfs"]["decode_steps"] == second_call
     assert rows["bound"]["decode_steps"] == 8 and rows["oracle"]["decode_steps"] == 8
 
@@ -91,14 +107,16 @@ def test_random_order_row_is_the_mean_over_sample_orders():
 
     lengths = [2, 3, 5, 20]
     rec = TraceRecord(prompt_len=4, lengths=lengths, max_new_tokens=64)
-    cfg = SimConfig(slots=2, length_predictor="none")
-    exact = [simulate([replace(rec, lengths=list(p))], cfg).decode_steps for p in itertools.permutations(lengths)]
+    cfg = SimConfig(EngineConfig(max_active_sequences=2, scheduler="fifo", length_predictor="none"))
+    exact = [simulate([replace(rec, lengths=list(p))], cfg).total().decode_steps
+             for p in itertools.permutations(lengths)]
     assert max(exact) > min(exact)  # the order matters, so the test can fail
     mean = random_order_steps([rec], cfg, {0}, orders=400)
     assert abs(mean - sum(exact) / len(exact)) <= 0.03 * sum(exact) / len(exact)
     # and the table row: a prompt whose samples all have one length has a single order
     same = TraceRecord(prompt_len=4, lengths=[7] * 6, max_new_tokens=64)
-    rows = {r["policy"]: r for r in run_table([same], SimConfig(slots=2), "none", rows=[ROWS[1]], random_orders=5)}
+    rows = {r["policy"]: r for r in run_table([same], SimConfig(EngineConfig(max_active_sequences=2)), "none",
+                                              rows=[ROWS[1]], random_orders=5)}
     assert rows["fifo_random_order"]["decode_steps"] == rows["fixed_slot"]["decode_steps"]
 
 
@@ -107,6 +125,6 @@ def test_random_orders_rejects_bad_counts():
 
     rec = TraceRecord(prompt_len=4, lengths=[2, 3], max_new_tokens=64)
     with pytest.raises(ValueError, match="--random-orders"):
-        random_order_steps([rec], SimConfig(slots=1), {0}, orders=0)
+        random_order_steps([rec], SimConfig(EngineConfig(max_active_sequences=1)), {0}, orders=0)
     with pytest.raises(ValueError, match="--random-orders"):
         main(["--trace", "unused.jsonl", "--random-orders", "-1"])

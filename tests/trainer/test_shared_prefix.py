@@ -18,9 +18,9 @@ from _models import tiny_model
 from conftest import cpu_args, token_sum_reward
 from trl import GRPOConfig, GRPOTrainer
 
+from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
 from trl_infinite.trainer.packing import pack_rows
-from trl_infinite.utils.tiny_configs import build_tiny_model
 
 LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ARCHS = {

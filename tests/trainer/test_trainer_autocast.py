@@ -27,8 +27,8 @@ from conftest import PROMPTS, cpu_args, token_sum_reward
 from datasets import Dataset
 
 from trl_infinite.engine.attention import cpu_decode
+from trl_infinite.testing.tiny_configs import build_tiny_model, sizes
 from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer
-from trl_infinite.utils.tiny_configs import build_tiny_model, sizes
 
 FALLBACK = "instead of the rollout engine"
 

@@ -6,13 +6,14 @@ import pytest
 from conftest import cpu_args
 
 from trl_infinite.engine import EngineConfig
+from trl_infinite.engine.sections import flags
 from trl_infinite.trainer import InfiniteGRPOConfig, engine_config_from_args
 from trl_infinite.trainer.config import TRAINER_ONLY
 
 
 def test_rollout_fields_map_to_engine_config_and_have_help(tmp_path):
     args = cpu_args(tmp_path)
-    engine_fields = {f.name for f in fields(EngineConfig)}
+    engine_fields = {f.name for f in flags(EngineConfig)}
     rollout = [f for f in fields(InfiniteGRPOConfig) if f.name.startswith("rollout_")]
     assert len(rollout) >= 6
     for f in rollout:
@@ -28,25 +29,26 @@ def test_values_reach_the_engine_config(tmp_path):
         rollout_block_size=8,
     )
     cfg = engine_config_from_args(args)
-    assert (cfg.sampling_mode, cfg.max_active_sequences, cfg.kv_cache_tokens, cfg.block_size) == (
+    assert (cfg.scheduling.sampling_mode, cfg.scheduling.max_active_sequences, cfg.kv_cache.tokens, cfg.block_size) == (
         "micro_group", 3, 512, 8,
     )
     args = cpu_args(
         tmp_path, rollout_scheduler="infinite", rollout_length_predictor="group", rollout_chunk_tokens=32,
-        rollout_speculative_method="suffix", rollout_num_speculative_tokens=3, rollout_speculative_adaptive=False,
+        rollout_speculative_method="suffix", rollout_speculative_num_tokens=3, rollout_speculative_adaptive=False,
     )
     cfg = engine_config_from_args(args)
-    assert (cfg.scheduler, cfg.length_predictor, cfg.chunk_tokens) == ("infinite", "group", 32)
-    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_adaptive) == ("suffix", 3, False)
+    scheduling, speculative = cfg.scheduling, cfg.speculative
+    assert (scheduling.scheduler, scheduling.length_predictor, scheduling.chunk_tokens) == ("infinite", "group", 32)
+    assert (speculative.method, speculative.num_tokens, speculative.adaptive) == ("suffix", 3, False)
 
 
 def test_every_engine_setting_is_a_cli_flag():
-    """Each `EngineConfig` field a user sets (not the CPU-only fallback) has its `rollout_` twin, parsed from argv."""
+    """Each `EngineConfig` setting has its `rollout_` twin, parsed from argv."""
     from transformers import HfArgumentParser
 
     rollout = {f.name[len("rollout_"):] for f in fields(InfiniteGRPOConfig)
                if f.name.startswith("rollout_") and f.name not in TRAINER_ONLY}
-    assert {f.name for f in fields(EngineConfig)} - rollout == {"default_cpu_kv_tokens"}
+    assert {f.name for f in flags(EngineConfig)} == rollout
     (args,) = HfArgumentParser(InfiniteGRPOConfig).parse_args_into_dataclasses(
         ["--output_dir", "/tmp/x", "--use_cpu", "--bf16", "False", "--rollout_scheduler", "sjf",
          "--rollout_speculative_method", "ngram", "--rollout_chunk_tokens", "64", "--rollout_speculative_adaptive",
@@ -76,7 +78,7 @@ def test_every_engine_setting_is_a_cli_flag():
         ({"rollout_chunk_tokens": 0}, "rollout_chunk_tokens"),
         ({"rollout_batch_policy": "sla"}, "rollout_sla_decode_ms"),
         ({"rollout_speculative_method": "oracle"}, "rollout_speculative_method"),
-        ({"rollout_num_speculative_tokens": 0}, "rollout_num_speculative_tokens"),
+        ({"rollout_speculative_num_tokens": 0}, "rollout_speculative_num_tokens"),
         ({"rollout_speculative_method": "draft_model"}, "rollout_speculative_draft_model"),
         ({"rollout_speculative_adaptive": "yes"}, "rollout_speculative_adaptive"),
         ({"rollout_reward_executor": "process"}, "rollout_reward_executor"),
@@ -92,8 +94,8 @@ def test_hybrid_model_falls_back_to_trls_generation(tmp_path, tokenizer, dataset
     feature and `use_vllm=True`) and generates with TRL's own path, as `GRPOTrainer` would."""
     from conftest import token_sum_reward
 
+    from trl_infinite.testing.tiny_configs import build_tiny_model
     from trl_infinite.trainer import InfiniteGRPOTrainer
-    from trl_infinite.utils.tiny_configs import build_tiny_model
 
     model = build_tiny_model("mamba", vocab_size=len(tokenizer))
     with pytest.warns(UserWarning, match="TRL's own path.*`mamba`.*linear_attention.*use_vllm=True"):
@@ -109,8 +111,8 @@ def test_model_refused_by_the_engine_contract_trains_with_trls_generation(tmp_pa
     import torch
     from conftest import token_sum_reward
 
+    from trl_infinite.testing.tiny_configs import build_tiny_model
     from trl_infinite.trainer import InfiniteGRPOTrainer
-    from trl_infinite.utils.tiny_configs import build_tiny_model
 
     model = build_tiny_model("bloom", vocab_size=len(tokenizer))
     trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),
@@ -125,23 +127,22 @@ def test_model_refused_by_the_engine_contract_trains_with_trls_generation(tmp_pa
 
 
 def test_rollout_fields_are_generated_from_the_engine_config():
-    """Every `EngineConfig` field (but the CPU-only fallback) has its `rollout_` twin with the engine's default, type
+    """Every `EngineConfig` setting (nested ones included) has its `rollout_` twin with the engine's default, type
     (or the documented string form the command line parses) and help, and docs/trainer.md's table lists it."""
     import pathlib
     from typing import get_type_hints
 
-    from trl_infinite.trainer.config import CLI_TYPES, ENGINE_ONLY
+    from trl_infinite.trainer.config import CLI_TYPES
 
     twins = {f.name: f for f in fields(InfiniteGRPOConfig)}
-    engine_types, twin_types = get_type_hints(EngineConfig), get_type_hints(InfiniteGRPOConfig)
+    twin_types = get_type_hints(InfiniteGRPOConfig)
     docs = (pathlib.Path(__file__).parents[2] / "docs" / "trainer.md").read_text()
-    for f in fields(EngineConfig):
-        if f.name in ENGINE_ONLY:
-            continue
-        twin = twins[f"rollout_{f.name}"]
-        assert twin.default == f.default, f.name
-        want = eval(CLI_TYPES[f.name]) if f.name in CLI_TYPES else engine_types[f.name]
-        assert twin_types[twin.name] == want, f.name
-        assert twin.metadata["help"].startswith(f.metadata["help"]), f.name
-        assert f"| `rollout_{f.name}` |" in docs, f"docs/trainer.md lacks rollout_{f.name}"
-    assert set(CLI_TYPES) <= {name for name, t in engine_types.items() if t is object}
+    for flag in flags(EngineConfig):
+        twin = twins[f"rollout_{flag.name}"]
+        assert twin.default == flag.default, flag.name
+        engine_type = get_type_hints(flag.owner)[flag.path[-1]]
+        want = eval(CLI_TYPES[flag.name]) if flag.name in CLI_TYPES else engine_type
+        assert twin_types[twin.name] == want, flag.name
+        assert twin.metadata["help"].startswith(flag.field.metadata["help"]), flag.name
+        assert f"| `rollout_{flag.name}` |" in docs, f"docs/trainer.md lacks rollout_{flag.name}"
+    assert set(CLI_TYPES) <= {f.name for f in flags(EngineConfig) if get_type_hints(f.owner)[f.path[-1]] is object}

@@ -14,6 +14,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo.py"
 
 
 def load_example():
+    sys.path.insert(0, str(EXAMPLE.parent))  # as `python examples/grpo.py` does: its `rewards.py` beside it
     spec = importlib.util.spec_from_file_location("grpo_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

@@ -7,8 +7,8 @@ from conftest import cpu_args, token_sum_reward
 from datasets import Dataset
 from trl.chat_template_utils import qwen3_chat_template
 
+from trl_infinite.testing.offline_models import byte_tokenizer
 from trl_infinite.trainer import InfiniteGRPOTrainer
-from trl_infinite.utils.offline_models import byte_tokenizer
 
 pytest.importorskip("jmespath")  # TRL's tool-call parsing on this transformers version
 

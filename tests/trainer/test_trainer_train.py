@@ -41,7 +41,7 @@ def test_scheduler_speculation_and_divided_rollout_train(tmp_path, tokenizer, da
     trainer = make_trainer(
         tmp_path, tokenizer, dataset, rollout_max_active_sequences=2, rollout_scheduler="infinite",
         rollout_length_predictor="group", rollout_speculative_method="suffix", rollout_speculative_adaptive=False,
-        rollout_num_speculative_tokens=2, rollout_chunk_tokens=3,
+        rollout_speculative_num_tokens=2, rollout_chunk_tokens=3,
     )
     trainer.train()
     log = trainer.state.log_history[0]

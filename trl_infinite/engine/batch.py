@@ -1,5 +1,5 @@
-"""What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back), and the
-scheduler's counters. Pure Python: the engine and the trace simulator share them."""
+"""What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back). Pure
+Python: the engine and the trace simulator share them."""
 
 from __future__ import annotations
 
@@ -68,17 +68,3 @@ class StepOutput:
     first_raw_logprobs: list[list[float]] | None = None
     raw_logprobs: list[list[float]] | None = None
 
-
-@dataclass
-class SchedulerCounters:
-    preemptions: int = 0
-    prompt_evictions: int = 0
-    peak_running: int = 0
-    running_sum: int = 0
-    steps: int = 0
-    parks: int = 0  # divided rollout: a sample returned to the queue with its KV kept
-    offloaded_blocks: int = 0  # blocks of parked samples moved to the host tier (and later back, no re-prefill)
-
-    @property
-    def mean_running(self) -> float:
-        return self.running_sum / self.steps if self.steps else 0.0

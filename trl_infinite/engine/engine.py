@@ -9,21 +9,21 @@ import torch
 
 from .autocast import autocast_dtype, describe
 from .batch import NonFiniteLogitsError
-from .block_manager import blocks_for
+from .block_manager import blocks_for, pool_size
+from .call import RolloutCall, call_blocks, sampling_mode
 from .config import EngineConfig, SamplingParams
 from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
 from .history import PromptHistory, remember_visits
 from .inputs import check_eos, check_prompts, model_vocab_size
-from .kv_pool import KVCachePool, pool_size
+from .kv_pool import KVCachePool
 from .logits import GenerationProcessors
-from .loop import StepTimer, drive
+from .loop import StepTimer
 from .model_guard import model_guard
 from .model_runner import ModelRunner
 from .outputs import RolloutResult, RolloutStats
 from .sampler import Sampler
-from .scheduler import Scheduler
-from .scheduling.factory import policies_from_config, predictor_from_config
+from .scheduling.predictors import build_predictor
 from .sequence import Group, Sequence, make_group
 from .static_decode import StaticDecoder, static_step_bytes
 from .support import check_support
@@ -51,23 +51,25 @@ class RolloutEngine:
         param = next(model.parameters())
         self.device = param.device
         self.autocast = autocast_dtype(self.device.type)  # the enclosing state every `generate` must match
+        decode = self.config.decode
         with model_guard(model, "RolloutEngine(model)"):  # the probe switches attention and mode for a moment
-            self.support = check_support(model, self.config.attention_backend, self.config.cpu_decode_kernel)
+            self.support = check_support(model, decode.attention_backend, decode.cpu_decode_kernel)
         self.vocab_size = model_vocab_size(model)
         # the largest captured batch: the slot limit, or `cuda_graph_max_batch` where none bounds the batch
         # (`full_group`, `dynamic_slot`); its step's memory is reserved for the graphs' pool
-        graph_rows = min(self.config.slot_limit or self.config.cuda_graph_max_batch, self.config.cuda_graph_max_batch)
+        slots = sampling_mode(self.config).slot_limit
+        graph_rows = min(slots or decode.cuda_graph_max_batch, decode.cuda_graph_max_batch)
         reserve = 0
-        if self.device.type == "cuda" and self.config.cuda_graphs:
+        if self.device.type == "cuda" and decode.cuda_graphs:
             reserve = static_step_bytes(model.config, graph_rows)
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
                                 reserve_bytes=reserve, allocate=False)
-        self.runner = ModelRunner(model, self.pool, self.config.attention_backend, self.support.layers,
+        self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel)
-        self.decoder = StaticDecoder(self.runner, compile=self.config.compile, cuda_graphs=self.config.cuda_graphs,
-                                     compile_backend=self.config.compile_backend, max_graph_rows=graph_rows)
+        self.decoder = StaticDecoder(self.runner, compile=decode.compile, cuda_graphs=decode.cuda_graphs,
+                                     compile_backend=decode.compile_backend, max_graph_rows=graph_rows)
         if self.decoder.use_graphs:  # a step that cannot be captured turns graphs off here, with a warning
             with torch.inference_mode(), eval_mode(model):
                 self.pool.open(1)  # the trial capture writes the null block of a one-block pool
@@ -77,16 +79,14 @@ class RolloutEngine:
                     self.pool.release()
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
-        self.history = PromptHistory(
-            self.config.history_max_prompts, self.config.history_max_visits, self.config.history_max_tokens
-        )
+        self.history = PromptHistory(self.config.history)
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = predictor_from_config(self.config, self.history)
+        self.predictor = build_predictor(self.config.scheduling, self.history)
         self.speculator = None
-        if self.config.speculative_method is not None:
-            from ..spec_decode import Speculator
+        if self.config.speculative.method is not None:
+            from .spec_decode import Speculator
 
-            self.speculator = Speculator(self.config, self.device, self.config.block_size, history=self.history)
+            self.speculator = Speculator(self.config, self.device, history=self.history)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
@@ -100,7 +100,7 @@ class RolloutEngine:
             max_new = self.max_model_len - max(len(p) for p in prompt_ids)
             if max_new < 1:
                 raise ValueError("a prompt fills the model's `max_position_embeddings`: no room to generate.")
-        bs, pool_blocks = self.config.block_size, self.pool.budget_blocks()
+        bs, pool_blocks = self.pool.block_size, self.pool.budget_blocks()
         for i, p in enumerate(prompt_ids):
             need = blocks_for(len(p), bs) + blocks_for(max_new + self._lookahead_cap(), bs)
             if need > pool_blocks:
@@ -122,7 +122,7 @@ class RolloutEngine:
             )
 
     def _lookahead_cap(self) -> int:
-        return self.config.num_speculative_tokens if self.speculator is not None else 0
+        return self.speculator.max_tokens if self.speculator is not None else 0
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -174,40 +174,23 @@ class RolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         groups = self._make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths)
-        seqs = [s for g in groups for s in g.samples]
-        cfg = self.config
         try:
-            self.pool.open(pool_size(self._need_blocks(groups, max_new)))
-            return self._run_call(groups, seqs, sampling, max_new, start, on_sample_finished, on_decode_step)
+            self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self._lookahead_cap())))
+            return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step)
         finally:
-            if cfg.kv_cache_release:
+            if self.config.kv_cache.release:
                 self.pool.release()
 
-    def _need_blocks(self, groups: list[Group], max_new: int) -> int:
-        """Most blocks the call can hold at once: every prompt's blocks, and the completion blocks of every sample
-        that can be live together (the slots, or all samples when there are no slots or divided rollout parks
-        samples with their KV)."""
-        cfg, bs = self.config, self.config.block_size
-        samples = sum(g.num_generations for g in groups)
-        live = samples if cfg.slot_limit is None or cfg.chunk_tokens is not None else min(samples, cfg.slot_limit)
-        own = blocks_for(max_new + self._lookahead_cap(), bs)
-        return sum(blocks_for(g.prompt_len, bs) for g in groups) + live * own
-
-    def _run_call(self, groups, seqs, sampling, max_new, start, on_sample_finished, on_decode_step) -> RolloutResult:
-        cfg = self.config
-        policy, admission = policies_from_config(cfg, self.predictor)
-        scheduler = Scheduler(
-            self.pool.allocator, policy, admission, cfg.sampling_mode, cfg.slot_limit, cfg.chunk_tokens
-        )
-        scheduler.submit(groups, seqs)
-        stats = RolloutStats(kv_block_bytes=self.pool.block_bytes, num_kv_blocks=self.pool.num_blocks)
-        executor = self._executor(policy, sampling, stats, groups, max_new)
+    def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step) -> RolloutResult:
+        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor)
+        stats = call.stats
+        executor = self._executor(call, sampling, groups, max_new)
         finished = None
         if on_sample_finished is not None:
             def finished(seq: Sequence) -> None:
                 on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
         try:
-            drive(scheduler, executor, stats, on_finished=finished, on_decode_step=on_decode_step)
+            call.run(executor, on_finished=finished, on_decode_step=on_decode_step)
             if self.pool.allocator.num_used:  # every sample finished: each block must have been given back
                 raise RuntimeError(f"{self.pool.allocator.num_used} KV blocks still held after every sample "
                                    "finished (scheduler bug).")
@@ -220,6 +203,7 @@ class RolloutEngine:
             self.predictor.end_call()
         self._fill_stats(stats, start)
         remember_visits(self.history, groups)
+        seqs = [s for g in groups for s in g.samples]
         return RolloutResult(
             completion_ids=[s.output_ids for s in seqs],
             logprobs=[s.logprobs for s in seqs],
@@ -229,19 +213,18 @@ class RolloutEngine:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _executor(self, policy, sampling: SamplingParams, stats: RolloutStats, groups: list[Group], max_new: int):
+    def _executor(self, call: RolloutCall, sampling: SamplingParams, groups: list[Group], max_new: int):
         processors = GenerationProcessors(self.model, sampling, self.device) if sampling.generation_kwargs else None
         sampler = Sampler(sampling, processors)
-        uses = getattr(policy, "predictor", None) is self.predictor and self.predictor.wants_hidden
-        prefix = PrefixCapture(self.predictor) if uses else None
+        prefix = PrefixCapture(call.hidden_predictor) if call.hidden_predictor is not None else None
         decoder = None  # extra processors run eagerly, row by row: the static step runs the built-in ones only
         if not sampler.has_extra_processors:
-            bs, decoder = self.config.block_size, self.decoder
-            capacity = self.config.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
+            bs, decoder = self.pool.block_size, self.decoder
+            capacity = call.mode.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
             decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
                           prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
                           own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None)
-        ctx = StepContext(self.runner, sampler, sampling.seed, stats, self.config.max_prefill_tokens, decoder)
+        ctx = StepContext(self.runner, sampler, sampling.seed, call.stats, self.config.max_prefill_tokens, decoder)
         spec = self.speculator.begin(ctx, sampling) if self.speculator is not None else None
         return ModelExecutor(ctx, prefix, spec)
 
@@ -260,6 +243,7 @@ class RolloutEngine:
 
     def _fill_stats(self, stats: RolloutStats, start: float) -> None:
         """The engine's own counters (the scheduler's were recorded by `drive`)."""
+        stats.kv_block_bytes = self.pool.block_bytes
         if self.predictor.mae is not None:
             stats.extra["length_prediction_mae"] = self.predictor.mae
         graph_memory = self.decoder.graph_memory()

@@ -134,6 +134,9 @@ class ModelExecutor:
         if self.spec is not None:
             self.spec.after_step(batch)
 
+    def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
+        return measured  # the wall time of the step (on CUDA up to the tokens' read-back)
+
     # ------------------------------------------------------------------ pieces
     def _eager_decode(self, seqs: list[Sequence]) -> Decoded:
         """One eager decode forward (each row's input: its last output token at position `num_tokens - 1`), sampled

@@ -44,15 +44,6 @@ class KVLayout:
         return cls.uniform(*kv_geometry(model_config))
 
 
-def pool_size(need_blocks: int) -> int:
-    """`need_blocks` rounded up to 8 steps per power of two (at most 12.5% more), so calls of similar size get pools
-    of the same size: a held pool is reused, and compiled decode steps see the same shapes."""
-    if need_blocks <= 8:
-        return max(1, need_blocks)
-    step = 1 << (need_blocks.bit_length() - 4)
-    return -(-need_blocks // step) * step
-
-
 def kv_geometry(model_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a standard Hugging Face causal-LM config."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -68,7 +59,7 @@ class KVCachePool:
     `v_caches[i]` is [(num_blocks + 1) * B, Hkv_i, Dv_i]. The null block is part of the budget. `layout` is a
     `KVLayout` (or a config, read by `from_config`).
 
-    The budget (`EngineConfig.kv_cache_tokens` / `kv_cache_gb` / `kv_cache_fraction`) bounds the pool; the engine
+    The budget (`EngineConfig.kv_cache`: `kv_cache_tokens` / `kv_cache_gb` / `kv_cache_fraction`) bounds the pool; the engine
     sizes it for each call from what the call can use (`open`) and gives the memory back after it (`release`), so
     a training step running between two rollouts has that memory."""
 
@@ -139,18 +130,18 @@ class KVCachePool:
         return self.block_size * self.layout.elements_per_token() * elem
 
     def _num_blocks(self, config: EngineConfig) -> int:
-        if config.kv_cache_tokens is not None:
-            n, field = config.kv_cache_tokens // self.block_size, "kv_cache_tokens"
-        elif config.kv_cache_gb is not None:
-            n, field = int(config.kv_cache_gb * GB // self.block_bytes), "kv_cache_gb"
+        kv = config.kv_cache
+        if kv.tokens is not None:
+            n, field = kv.tokens // self.block_size, kv.flag("tokens")
+        elif kv.gb is not None:
+            n, field = int(kv.gb * GB // self.block_bytes), kv.flag("gb")
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            n = int(((free + cached + self.allocated_bytes) * config.kv_cache_fraction - self.reserve_bytes)
-                    // self.block_bytes)
-            field = "kv_cache_fraction"
+            n = int(((free + cached + self.allocated_bytes) * kv.fraction - self.reserve_bytes) // self.block_bytes)
+            field = kv.flag("fraction")
         else:
-            n, field = config.default_cpu_kv_tokens // self.block_size, "default_cpu_kv_tokens"
+            n, field = kv.cpu_tokens // self.block_size, kv.flag("cpu_tokens")
         if n < 2:
             raise ValueError(
                 f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, {self.block_bytes} "

@@ -36,6 +36,11 @@ class Executor(Protocol):
         """Called once the step's tokens were appended (and finished samples freed)."""
         ...
 
+    def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
+        """The decode step's duration the admission policy learns from (`batch_policy="sla"`): the measured wall
+        time for the model, a step-time model's for the simulator."""
+        ...
+
 
 StepTimer = Callable[[ScheduledBatch, float], None]  # (batch, seconds from launch to completion), decode steps
 
@@ -48,8 +53,7 @@ def drive(
     on_decode_step: StepTimer | None = None,
 ) -> None:
     """Run the scheduler to completion. Counts `decode_steps` (steps with a decode forward) and
-    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`); at the end,
-    the scheduler's and the allocator's counters (`record_scheduler`). Every
+    `tail_decode_steps` in `stats`, and the host time of scheduling and postprocessing (`host_time_s`). Every
     finished sample goes to `on_finished` while the next step runs (at the latest when the loop ends), on this
     thread."""
     total = scheduler.num_samples
@@ -70,7 +74,7 @@ def drive(
             stats.decode_steps += 1
             if len(scheduler.finished) >= TAIL_FRACTION * total:
                 stats.tail_decode_steps += 1
-            scheduler.admission.on_step_time(len(batch.decode), seconds)
+            scheduler.admission.on_step_time(len(batch.decode), executor.step_seconds(batch, seconds))
             if on_decode_step is not None:
                 on_decode_step(batch, seconds)
         done_before = len(scheduler.finished)
@@ -82,19 +86,3 @@ def drive(
     if on_finished is not None:
         for seq in done:
             on_finished(seq)
-    record_scheduler(stats, scheduler)
-
-
-def record_scheduler(stats: RolloutStats, scheduler: Scheduler) -> None:
-    """Copy the call's scheduler and block counters into `stats` (the one per-call stats type of the engine and
-    the simulator)."""
-    c, allocator = scheduler.counters, scheduler.allocator
-    stats.generated_tokens = sum(s.num_generated for s in scheduler.finished)
-    stats.peak_active_sequences = c.peak_running
-    stats.mean_active_sequences = c.mean_running
-    stats.peak_kv_blocks = allocator.peak_used
-    stats.num_kv_blocks = allocator.num_blocks
-    stats.kv_utilization = allocator.mean_utilization
-    stats.preemptions = c.preemptions
-    stats.prompt_evictions = c.prompt_evictions
-    stats.offloaded_blocks = c.offloaded_blocks

@@ -12,39 +12,41 @@ group finished; a sample owns only the blocks of its own completion tokens.
 
 from __future__ import annotations
 
-from .batch import INVALID_TOKEN, NonFiniteLogitsError, ScheduledBatch, SchedulerCounters, StepOutput
+from .batch import INVALID_TOKEN, NonFiniteLogitsError, ScheduledBatch, StepOutput
 from .block_manager import BlockAllocator, blocks_for
+from .outputs import RolloutStats
+from .sampling_modes import SamplingMode
 from .scheduling.base import AdmissionPolicy, SchedulePolicy, SchedulerView
 from .sequence import Group, SeqStatus, Sequence
 
-__all__ = ["ScheduledBatch", "Scheduler", "SchedulerCounters", "StepOutput"]
+__all__ = ["ScheduledBatch", "Scheduler", "StepOutput"]
 
 
 class Scheduler:
-    """Admission, block accounting and preemption for one `generate` call."""
+    """Admission, block accounting and preemption for one `generate` call (built by `call.RolloutCall`); counts
+    its steps, preemptions, evictions, parks and offloads in the call's `stats`."""
 
     def __init__(
         self,
         allocator: BlockAllocator,
         policy: SchedulePolicy,
         admission: AdmissionPolicy,
-        sampling_mode: str,
-        slot_limit: int | None,
-        chunk_tokens: int | None = None,
+        mode: SamplingMode,
+        chunk_tokens: int | None,
+        stats: RolloutStats,
     ):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.policy = policy
         self.admission = admission
-        self.sampling_mode = sampling_mode
-        self.slot_limit = slot_limit
+        self.mode = mode
         self.chunk_tokens = chunk_tokens
+        self.stats = stats
         self._swap_out: list[tuple[Sequence, list[int]]] = []
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.groups: list[Group] = []
-        self.counters = SchedulerCounters()
         self._admit_counter = 0
         self.step_idx = 0
 
@@ -81,9 +83,9 @@ class Scheduler:
             raise RuntimeError("no sample could be scheduled although the pool was checked up front (bug).")
         batch.decode = [s for s in self.running if s.output_ids]
         batch.swap_out, self._swap_out = self._swap_out, []
-        self.counters.steps += 1
-        self.counters.running_sum += len(self.running)
-        self.counters.peak_running = max(self.counters.peak_running, len(self.running))
+        self.stats.scheduler_steps += 1
+        self.stats.active_sequence_steps += len(self.running)
+        self.stats.peak_active_sequences = max(self.stats.peak_active_sequences, len(self.running))
         self.allocator.sample_usage()
         return batch
 
@@ -112,7 +114,7 @@ class Scheduler:
         preempt a running sample (possibly itself). Returns False when the requester itself was preempted."""
         if self._offload_one(keep=requester):
             return True
-        idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done]
+        idle = self._idle_prompts()
         if idle:
             self._evict_prompt(idle[-1])
             return True
@@ -122,10 +124,10 @@ class Scheduler:
         return victim is not requester
 
     def _admit(self, batch: ScheduledBatch, lookahead: int) -> None:
-        if self.sampling_mode in ("micro_group", "full_group") and self.running:
+        if not self.mode.admits(len(self.running)):
             return  # a round admits only when the previous round has fully finished
         view = self.view()
-        limit = self.slot_limit
+        limit = self.mode.slot_limit
         bound = self.admission.max_running(view)
         if bound is not None:
             limit = bound if limit is None else min(limit, bound)
@@ -135,11 +137,11 @@ class Scheduler:
             group = seq.group
             need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
             need += 0 if group.resident else blocks_for(group.prompt_len, self.block_size)
-            if self.sampling_mode == "dynamic_slot":
-                need += len(self.running)  # headroom: every running sample may need one more block
+            need += self.mode.headroom(len(self.running))
             view.free_blocks = self.allocator.num_free
             if not self.running and not self.allocator.can_allocate(need):
-                self._evict_idle_except(group)  # nothing runs: idle prompts must make way for progress
+                for idle in self._idle_prompts(keep=group):  # nothing runs: idle prompts make way for progress
+                    self._evict_prompt(idle)
                 while not self.allocator.can_allocate(need) and self._offload_one(keep=seq):
                     pass  # ... and so must parked samples' KV
                 view.free_blocks = self.allocator.num_free
@@ -150,11 +152,9 @@ class Scheduler:
                 continue
             self._start(seq, batch, lookahead)
 
-    def _evict_idle_except(self, keep: Group) -> bool:
-        idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
-        for g in idle:
-            self._evict_prompt(g)
-        return bool(idle)
+    def _idle_prompts(self, keep: Group | None = None) -> list[Group]:
+        """Prompts whose blocks are resident while none of their samples runs (and some still will)."""
+        return [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
 
     def _start(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> None:
         group = seq.group
@@ -202,7 +202,7 @@ class Scheduler:
         seq.set_status(SeqStatus.WAITING)
         self.running.remove(seq)
         self.waiting.append(seq)
-        self.counters.parks += 1
+        self.stats.parks += 1
 
     def _offload_one(self, keep: Sequence | None) -> bool:
         """Move the KV of the parked sample holding the most blocks to the host tier; False if none is parked."""
@@ -212,7 +212,7 @@ class Scheduler:
         seq = max(parked, key=lambda s: len(s.blocks))
         self._swap_out.append((seq, list(seq.blocks)))
         seq.host_blocks = len(seq.blocks)
-        self.counters.offloaded_blocks += len(seq.blocks)
+        self.stats.offloaded_blocks += len(seq.blocks)
         self.allocator.free(seq.blocks)
         seq.blocks = []
         return True
@@ -226,12 +226,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.append(seq)
-        self.counters.preemptions += 1
+        self.stats.preemptions += 1
 
     def _evict_prompt(self, group: Group) -> None:
         self.allocator.free(group.prompt_blocks)
         group.prompt_blocks = []
-        self.counters.prompt_evictions += 1
+        self.stats.prompt_evictions += 1
 
     def finish(self, seq: Sequence) -> None:
         """A running sample ended, or a waiting one whose first token (from its prompt's prefill) ended it."""

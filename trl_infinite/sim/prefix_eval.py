@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from ..engine.scheduling.predictors import OnlineRidge
-from ..utils.traces import TraceRecord
+from .traces import TraceRecord
 
 
 def features(records: list[TraceRecord], model, ks: list[int], batch: int = 16) -> dict[int, dict]:

@@ -1,101 +1,66 @@
-"""Replay length traces through exactly the engine's drive loop, `Scheduler` and policies with a trace executor.
+"""Replay length traces through exactly the engine's rollout call (`engine/call.py`: sampling mode, scheduler,
+policies, drive loop) with a trace executor.
 
 The executor plays the model: each prefilled prompt gives every sample of its group its first token, each decode row
-gets one token per step, and a sample ends after its traced length (`forced_length`). Everything else — the loop,
-admission, block accounting, preemption, divided rollout, the policies — is the engine's code.
+gets one token per step, and a sample ends after its traced length (`forced_length`); a decode step with b rows
+takes `step_ms[0] + step_ms[1] * b` milliseconds (what `batch_policy="sla"` learns from). Everything else is the
+engine's code, built from the same `EngineConfig`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..engine.batch import ScheduledBatch, StepOutput
-from ..engine.block_manager import BlockAllocator, blocks_for
+from ..engine.block_manager import BlockAllocator, blocks_for, pool_size
+from ..engine.call import RolloutCall, call_blocks, sampling_mode
+from ..engine.config import EngineConfig
 from ..engine.history import PromptHistory, remember_visits
-from ..engine.loop import drive
 from ..engine.outputs import RolloutStats
-from ..engine.scheduler import Scheduler
-from ..engine.scheduling.factory import build_policies, build_predictor
-from ..engine.scheduling.predictors import LengthPredictor
+from ..engine.scheduling.predictors import LengthPredictor, build_predictor
 from ..engine.sequence import Group, make_group
-from ..utils.traces import TraceRecord
+from .traces import TraceRecord
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimConfig:
-    sampling_mode: str = "fixed_slot"
-    scheduler: str = "fifo"
-    batch_policy: str = "static"
-    slots: int = 4  # g
+    """A simulated run: the engine's `EngineConfig` (the same sampling mode, scheduler, batch policy, predictor,
+    history, block size and KV budget) plus the trace options. Without `kv_cache_tokens` the KV budget of a call is
+    its prompts plus `max_active_sequences` completions of the longest length (every completion in a mode that runs
+    them all in one round, `full_group`): a pool that never binds a g-slot schedule."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
     prompts_per_call: int = 1  # B: prompts per `generate` call (the paper: 1)
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # None: room for the prompts + `slots` completions of max length
-    chunk_tokens: int | None = None
-    length_predictor: str = "oracle"
-    prefix_k: int = 16
-    fptas_epsilon: float = 0.1
     max_new_tokens: int | None = None  # None: the trace's own
-    history_max_prompts: int = 4096  # per-prompt history across calls, as the engine's (0 = none)
-    history_max_visits: int = 2
-    history_fallback: str = "none"
+    step_ms: tuple[float, float] = (10.0, 0.1)  # decode step time (ms) = step_ms[0] + step_ms[1] * rows
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompts_per_call, int) or self.prompts_per_call < 1:
+            raise ValueError(f"`prompts_per_call` must be an integer >= 1, got {self.prompts_per_call!r}.")
+        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+            raise ValueError(f"`max_new_tokens` must be an integer >= 1 or None, got {self.max_new_tokens!r}.")
+        if len(self.step_ms) != 2 or not all(math.isfinite(x) and x >= 0 for x in self.step_ms):
+            raise ValueError(f"`step_ms` must be two finite numbers >= 0 (ms per step, per row), got {self.step_ms!r}.")
 
 
 @dataclass
 class SimResult:
-    decode_steps: int = 0
-    tail_steps: int = 0
-    mean_active: float = 0.0
-    peak_kv_blocks: int = 0
-    num_kv_blocks: int = 0
-    preemptions: int = 0
-    offloaded_blocks: int = 0
-    generated_tokens: int = 0
-    num_samples: int = 0
+    """One `RolloutStats` per simulated call, with the call's epoch and `oracle_bound`; totals are computed from
+    them (`total`)."""
+
+    calls: list[RolloutStats] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    bounds: list[int] = field(default_factory=list)
     lengths_preserved: bool = True
-    prediction_mae: float | None = None
-    per_call_steps: list[int] = field(default_factory=list)
-    calls: list[CallSummary] = field(default_factory=list)
 
-    @property
-    def mean_length(self) -> float:
-        return self.generated_tokens / self.num_samples if self.num_samples else 0.0
+    def total(self, epochs: set[int] | None = None) -> RolloutStats:
+        """Totals over the calls of `epochs` (all calls when None), e.g. the second epoch, scheduled with the first
+        one's history."""
+        return RolloutStats.total([c for c, e in zip(self.calls, self.epochs) if epochs is None or e in epochs])
 
-    def epoch_summary(self, epochs: set[int]) -> EpochSummary:
-        """Totals over the calls of these epochs (e.g. the second epoch, scheduled with the first one's history)."""
-        calls = [c for c in self.calls if c.epoch in epochs]
-        errs = [x for c in calls for x in c.errors]
-        base = [x for c in calls for x in c.constant_errors]
-        return EpochSummary(
-            calls=len(calls), decode_steps=sum(c.decode_steps for c in calls), bound=sum(c.bound for c in calls),
-            tail_steps=sum(c.tail_steps for c in calls), offloaded_blocks=sum(c.offloaded_blocks for c in calls),
-            prediction_mae=sum(errs) / len(errs) if errs else None,
-            constant_mae=sum(base) / len(base) if base else None, scored_samples=len(errs),
-        )
-
-
-@dataclass
-class CallSummary:
-    """One simulated `generate` call."""
-
-    epoch: int
-    decode_steps: int
-    bound: int  # `oracle_bound` of the call's lengths
-    tail_steps: int
-    offloaded_blocks: int
-    errors: list[float]  # |first prediction - length| of the samples that finished in this call
-    constant_errors: list[float]  # the same for the constant-mean predictor (history predictor only)
-
-
-@dataclass
-class EpochSummary:
-    calls: int
-    decode_steps: int
-    bound: int
-    tail_steps: int
-    offloaded_blocks: int
-    prediction_mae: float | None
-    constant_mae: float | None
-    scored_samples: int
+    def bound(self, epochs: set[int] | None = None) -> int:
+        return sum(b for b, e in zip(self.bounds, self.epochs) if epochs is None or e in epochs)
 
 
 def step_cost(length: int) -> int:
@@ -103,22 +68,24 @@ def step_cost(length: int) -> int:
     return length - 1
 
 
-def oracle_bound(lengths: list[int], slots: int) -> int:
+def oracle_bound(lengths: list[int], slots: int | None) -> int:
     """Lower bound on the decode steps of `slots` continuous slots: max(longest sample, total work / slots)."""
     costs = [step_cost(x) for x in lengths]
-    return max(max(costs), -(-sum(costs) // slots))
+    return max(max(costs), -(-sum(costs) // (slots or len(costs))))
 
 
 class TraceExecutor:
     """Plays the model for the drive loop. `features[(prompt_index, sample_idx)]` (optional) is the hidden state at
     completion token k, handed to `predictor.observe_hidden` exactly when the engine would (the row's input is
-    token k); `predictor` None: nothing is delivered."""
+    token k); `predictor` None: nothing is delivered. `step_ms`: the decode step time model."""
 
-    def __init__(self, predictor: LengthPredictor | None, features: dict | None, prompt_index: dict[int, int]):
+    def __init__(self, predictor: LengthPredictor | None, features: dict | None, prompt_index: dict[int, int],
+                 step_ms: tuple[float, float] = SimConfig.step_ms):
         self.predictor = predictor
         self.prefix_k = predictor.prefix_k if predictor is not None else None
         self.features = features or {}
         self.prompt_index = prompt_index  # group_id -> the trace's prompt index
+        self.step_ms = step_ms
 
     def lookahead(self, num_running: int) -> int:
         return 0
@@ -145,6 +112,9 @@ class TraceExecutor:
     def after_step(self, batch: ScheduledBatch) -> None:
         pass
 
+    def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
+        return (self.step_ms[0] + self.step_ms[1] * len(batch.decode)) / 1e3
+
 
 def _prompt_ids(rec: TraceRecord) -> list[int]:
     """The recorded prompt ids, else a stand-in unique to the prompt index (the history is keyed by prompt ids)."""
@@ -169,6 +139,19 @@ def _requests(records: list[TraceRecord], max_new: int) -> list[Group]:
             for i, rec in enumerate(records)]
 
 
+def _budget_blocks(config: EngineConfig, groups: list[Group], max_new: int) -> int:
+    """The call's KV budget in blocks (see `SimConfig`); with `kv_cache_tokens`, the engine's (one block of it is
+    the null block of padded decode rows)."""
+    bs, tokens = config.block_size, config.kv_cache.tokens
+    if tokens is not None:
+        return tokens // bs - 1
+    scheduling, mode = config.scheduling, sampling_mode(config)
+    samples = sum(g.num_generations for g in groups)
+    one_round = mode.rounds and mode.slot_limit is None  # every sample in one round
+    live = samples if one_round else scheduling.max_active_sequences or samples
+    return sum(blocks_for(g.prompt_len, bs) for g in groups) + live * blocks_for(max_new, bs)
+
+
 def simulate(
     records: list[TraceRecord],
     config: SimConfig,
@@ -176,57 +159,26 @@ def simulate(
     features: dict | None = None,
     history: PromptHistory | None = None,
 ) -> SimResult:
-    """Run the trace call by call (B prompts each, one epoch per call); the predictor and the per-prompt history
-    persist across calls, as in training (a trace that revisits prompts feeds later epochs the earlier ones)."""
-    if history is None:
-        history = PromptHistory(config.history_max_prompts, config.history_max_visits, max_tokens=0)
-    predictor = predictor or build_predictor(config.length_predictor, config.prefix_k, history, config.history_fallback)
-    baseline = getattr(predictor, "baseline", None)  # `ErrorStats` of the constant-mean predictor (history)
+    """Run the trace call by call (B prompts each, one epoch per call), each call built as the engine builds it
+    (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
+    revisits prompts feeds later epochs the earlier ones)."""
+    engine = config.engine
+    history = history if history is not None else PromptHistory(engine.history)
+    predictor = predictor or build_predictor(engine.scheduling, history)
     out = SimResult()
-    active_sum = 0
     for chunk in _calls(records, config.prompts_per_call):
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
+        blocks = max(1, min(pool_size(call_blocks(engine, groups, max_new)), _budget_blocks(engine, groups, max_new)))
+        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size), predictor)
+        executor = TraceExecutor(call.hidden_predictor, features,
+                                 {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}, config.step_ms)
+        stats = call.run(executor)
         seqs = [s for g in groups for s in g.samples]
-        allocator = BlockAllocator(_pool_blocks(chunk, config, max_new), config.block_size)
-        slot_limit = None if config.sampling_mode in ("full_group", "dynamic_slot") else config.slots
-        policy, admission = build_policies(config.scheduler, config.batch_policy, predictor,
-                                           num_slots=config.slots, fptas_epsilon=config.fptas_epsilon)
-        sched = Scheduler(allocator, policy, admission, config.sampling_mode, slot_limit, config.chunk_tokens)
-        sched.submit(groups, seqs)
-        uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden
-        executor = TraceExecutor(predictor if uses else None, features,
-                                 {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)})
-        stats = RolloutStats()
-        drive(sched, executor, stats)
-        out.per_call_steps.append(stats.decode_steps)
-        out.decode_steps += stats.decode_steps
-        out.tail_steps += stats.tail_decode_steps
-        active_sum += sched.counters.running_sum
-        out.peak_kv_blocks = max(out.peak_kv_blocks, stats.peak_kv_blocks)
-        out.num_kv_blocks = stats.num_kv_blocks
-        out.preemptions += stats.preemptions
-        out.offloaded_blocks += stats.offloaded_blocks
-        out.generated_tokens += stats.generated_tokens
-        out.num_samples += len(seqs)
+        out.calls.append(stats)
+        out.epochs.append(chunk[0].epoch)
+        out.bounds.append(oracle_bound([s.num_generated for s in seqs], engine.scheduling.max_active_sequences))
         out.lengths_preserved &= all(s.num_generated == s.length_limit for s in seqs)
-        out.calls.append(CallSummary(
-            epoch=chunk[0].epoch, decode_steps=stats.decode_steps, bound=oracle_bound([s.num_generated for s in seqs], config.slots),
-            tail_steps=stats.tail_decode_steps, offloaded_blocks=stats.offloaded_blocks,
-            errors=list(predictor.scores.call),
-            constant_errors=list(baseline.call) if baseline is not None else [],
-        ))
         predictor.end_call()
         remember_visits(history, groups, tokens=False)
-    out.mean_active = active_sum / out.decode_steps if out.decode_steps else 0.0
-    out.prediction_mae = predictor.mae
     return out
-
-
-def _pool_blocks(chunk: list[TraceRecord], config: SimConfig, max_new: int) -> int:
-    if config.kv_cache_tokens is not None:
-        return blocks_for(config.kv_cache_tokens, config.block_size)
-    prompts = sum(blocks_for(r.prompt_len, config.block_size) for r in chunk)
-    if config.sampling_mode == "full_group":
-        return prompts + sum(len(r.lengths) for r in chunk) * blocks_for(max_new, config.block_size)
-    return prompts + config.slots * blocks_for(max_new, config.block_size)

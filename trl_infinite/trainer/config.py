@@ -1,42 +1,46 @@
 """`InfiniteGRPOConfig`: TRL's `GRPOConfig` plus the rollout engine's settings, all prefixed `rollout_`.
 
-The `rollout_<name>` fields are generated from `EngineConfig`'s dataclass fields (same name with the prefix, same
-type, default and help; `_add_engine_fields`), so a new engine setting is a trainer flag with no edit here. Fields
-whose engine type the command line cannot parse (`object`: a name *or* a callable / model) take their string form
-(`CLI_TYPES`). Validation is the engine's own, with the error naming the `rollout_` field.
+The `rollout_<flag>` fields are generated from `EngineConfig`'s settings, nested sections included (each setting's
+flag is its section's prefix + its name, `engine/sections.py`: `rollout_kv_cache_gb` -> `config.kv_cache.gb`), with
+the setting's type, default and help, and the modules that read it; `_add_engine_fields`). A new engine setting is a
+trainer flag with no edit here. Fields whose engine type the command line cannot parse (`object`: a name *or* a
+callable / model) take their string form (`CLI_TYPES`). Validation is the engine's own, with the error naming the
+`rollout_` field.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
 from ..engine.config import EngineConfig
+from ..engine.sections import flags
 from .streaming import REWARD_EXECUTORS
 
 PREFIX = "rollout_"
 TRAINER_ONLY = ("rollout_reward_executor",)  # `rollout_*` fields of the trainer itself, not of `EngineConfig`
-ENGINE_ONLY = ("default_cpu_kv_tokens",)  # the CPU-only fallback budget: no trainer flag
-# engine fields typed `object` (a registry name, or in Python a callable / model): the CLI parses their string form
+# engine settings typed `object` (a registry name, or in Python a callable / model): the CLI parses their string form
 CLI_TYPES = {"length_predictor": "str", "speculative_draft_model": "str | None"}
 # what the trainer adds to an engine field's help
 TRAINER_NOTES = {"max_active_sequences": "Also the size of the chunks of completions streamed to the reward functions."}
 
 
+def flag_help(flag) -> str:
+    """A trainer flag's help: the setting's, the trainer's note, and where it is read (`Flag.readers`)."""
+    read = "Read in " + ", ".join(f"`{m}`" for m in flag.readers) + "."
+    return " ".join(x for x in (flag.field.metadata["help"], TRAINER_NOTES.get(flag.name, ""), read) if x)
+
+
 def _add_engine_fields(cls: type) -> type:
-    """Before `@dataclass`: add `rollout_<name>` for each `EngineConfig` field (not in `ENGINE_ONLY`), in the
-    engine's order, ahead of the class's own fields."""
+    """Before `@dataclass`: add `rollout_<flag>` for each `EngineConfig` setting, in the engine's order, ahead of
+    the class's own fields."""
     own = dict(cls.__dict__.get("__annotations__", {}))
     annotations = {}
-    for f in fields(EngineConfig):
-        if f.name in ENGINE_ONLY:
-            continue
-        help_ = " ".join(x for x in (f.metadata.get("help", ""), TRAINER_NOTES.get(f.name, "")) if x)
-        default = {"default": f.default} if f.default is not MISSING else {"default_factory": f.default_factory}
-        annotations[PREFIX + f.name] = CLI_TYPES.get(f.name, f.type)
-        setattr(cls, PREFIX + f.name, field(**default, metadata={"help": help_}))
+    for flag in flags(EngineConfig):
+        annotations[PREFIX + flag.name] = CLI_TYPES.get(flag.name, flag.field.type)
+        setattr(cls, PREFIX + flag.name, field(default=flag.default, metadata={"help": flag_help(flag)}))
     cls.__annotations__ = {**annotations, **own}
     return cls
 
@@ -109,13 +113,13 @@ def rollout_field_names(args) -> list[str]:
 
 
 def engine_config_from_args(args) -> EngineConfig:
-    """`EngineConfig` from the `rollout_*` fields: `rollout_<name>` -> `EngineConfig.<name>`."""
-    engine_fields = {f.name for f in fields(EngineConfig)}
+    """`EngineConfig` from the `rollout_*` fields: `rollout_<flag>` -> the setting of that flag."""
+    engine_flags = {f.name for f in flags(EngineConfig)}
     kwargs = {}
     for name in rollout_field_names(args):
         key = name[len(PREFIX):]
-        if key not in engine_fields:
-            raise ValueError(f"`{name}` has no matching `EngineConfig.{key}` field.")
+        if key not in engine_flags:
+            raise ValueError(f"`{name}` has no matching `EngineConfig` setting `{key}`.")
         kwargs[key] = getattr(args, name)
     try:
         return EngineConfig(**kwargs)

@@ -239,7 +239,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             return self._decode_completion(prompts[row], prompt_ids[row], ids)
 
         scorer = ChunkScorer(self, self._batch_inputs, prompts, decode, groups)
-        chunk = self.engine_config.max_active_sequences or self.num_generations
+        chunk = self.engine_config.scheduling.max_active_sequences or self.num_generations
         stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor)
         self._stream_slot.open(stream)
         return stream

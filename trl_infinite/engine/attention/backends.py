@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plugins import ATTENTION_BACKENDS
+from ..registry import ATTENTION_BACKENDS
 from .metadata import MaskKey, PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention
 
@@ -23,7 +23,7 @@ class AttentionBackend:
     gathers_columns: bool = True
 
 
-ATTENTION_BACKEND_FNS = ATTENTION_BACKENDS  # the registry (`engine.plugins`), under its historical name
+ATTENTION_BACKEND_FNS = ATTENTION_BACKENDS  # the registry (`engine.registry`), under its historical name
 
 
 def register_attention_backend(name: str, attend: Callable, prepare: Callable = with_context,

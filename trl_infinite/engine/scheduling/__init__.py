@@ -1,7 +1,7 @@
 """Scheduling plug-ins: ordering policies (`EngineConfig.scheduler`) and admission policies
-(`EngineConfig.batch_policy`), looked up by name in `engine.plugins`."""
+(`EngineConfig.batch_policy`), looked up by name in `engine.registry`."""
 
-from ..plugins import BATCH_POLICIES, SCHEDULERS, register_batch_policy, register_scheduler
+from ..registry import BATCH_POLICIES, SCHEDULERS, register_batch_policy, register_scheduler
 from .base import AdmissionPolicy, SchedulePolicy, SchedulerView
 
 __all__ = [

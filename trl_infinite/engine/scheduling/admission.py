@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist, mean, pstdev
+from typing import TYPE_CHECKING
 
 from ..block_manager import blocks_for
-from ..plugins import register_batch_policy
+from ..registry import register_batch_policy
 from ..sequence import Sequence
-from .base import AdmissionPolicy, PolicyOptions, SchedulerView
+from .base import AdmissionPolicy, SchedulerView
+
+if TYPE_CHECKING:
+    from ..config import SchedulingConfig
 
 
 @register_batch_policy("static")
@@ -25,19 +29,13 @@ class MemoryAdmission(AdmissionPolicy):
     A running sample's expected final length is max(mu, generated + 1), mu/std from the finished samples
     (`max_new_tokens` and 0 until `min_observations` finished: conservative). A wrong guess is not an error: the
     scheduler preempts when a running sample needs a block the pool no longer has.
-    Options: `memory_eps` (eps_m, default 0.05), `min_observations` (default 4).
+    Options (`config.memory`): `memory_eps` (eps_m), `memory_min_observations`.
     """
 
-    def __init__(self, memory_eps: float = 0.05, min_observations: int = 4) -> None:
-        if not 0.0 < memory_eps < 1.0:
-            raise ValueError(f"`memory_eps` must be in (0, 1), got {memory_eps!r}.")
-        self.theta = NormalDist().inv_cdf(1.0 - memory_eps)
-        self.min_obs = min_observations
+    def __init__(self, config: SchedulingConfig) -> None:
+        self.theta = NormalDist().inv_cdf(1.0 - config.memory.eps)
+        self.min_obs = config.memory.min_observations
         self.lengths: list[int] = []
-
-    @classmethod
-    def from_options(cls, options: PolicyOptions) -> MemoryAdmission:
-        return cls(options.memory_eps, options.memory_min_observations)
 
     def on_finish(self, seq: Sequence) -> None:
         self.lengths.append(seq.num_generated)
@@ -66,29 +64,25 @@ class MemoryAdmission(AdmissionPolicy):
 @register_batch_policy("sla")
 class SLAAdmission(AdmissionPolicy):
     """SLA-constrained dynamic batching (Alg. 2): binary search of the batch size on the measured decode step
-    latency against `sla_decode_ms` (+- `sla_tolerance_ms`), between `min_batch` and `max_batch`.
-    Options: `sla_decode_ms` (required), `sla_tolerance_ms` (default 5% of it), `min_batch` 1, `max_batch` 256,
-    `alpha` 2, `delta` 1, `window` 4 steps per adjustment."""
+    latency against `sla_decode_ms` (+- `sla_tolerance_ms`, default 5% of it), between `sla_min_batch` and the
+    scheduling config's `max_batch` (`max_active_sequences`); `sla_alpha`, `sla_delta`, `sla_window` steps per
+    adjustment (`config.sla`). The step times come from the executor (`Executor.step_seconds`): measured by the
+    engine, from a step-time model in the simulator."""
 
-    def __init__(self, sla_decode_ms: float | None = None, sla_tolerance_ms: float | None = None, min_batch: int = 1,
-                 max_batch: int | None = None, alpha: int = 2, delta: int = 1, window: int = 4) -> None:
-        if sla_decode_ms is None or sla_decode_ms <= 0:
-            raise ValueError(f"batch_policy='sla' needs `sla_decode_ms` > 0, got {sla_decode_ms!r}.")
-        self.sla = float(sla_decode_ms)
-        self.tol = float(sla_tolerance_ms or 0.05 * self.sla)
-        self.b_min, self.b_max = int(min_batch), int(max_batch or 256)
+    def __init__(self, config: SchedulingConfig) -> None:
+        sla = config.sla
+        if sla.decode_ms is None:
+            raise ValueError("batch_policy='sla' needs `sla_decode_ms` > 0, got None.")
+        self.sla = float(sla.decode_ms)
+        self.tol = float(sla.tolerance_ms or 0.05 * self.sla)
+        self.b_min, self.b_max = sla.min_batch, config.max_batch
         if not 1 <= self.b_min <= self.b_max:
-            raise ValueError(f"`sla_min_batch` must be in [1, {self.b_max}] (the batch bound), got {min_batch!r}.")
-        self.alpha, self.delta, self.window = int(alpha), int(delta), int(window)
+            raise ValueError(f"`sla_min_batch` must be in [1, {self.b_max}] (the batch bound), got {self.b_min!r}.")
+        self.alpha, self.delta, self.window = sla.alpha, sla.delta, sla.window
         self.low, self.high = self.b_min, self.b_max
         self.batch = self.b_max
         self.samples: list[tuple[int, float]] = []  # (batch size, step ms) since the last adjustment
         self.history: list[int] = []
-
-    @classmethod
-    def from_options(cls, o: PolicyOptions) -> SLAAdmission:
-        return cls(o.sla_decode_ms, o.sla_tolerance_ms, o.sla_min_batch, o.sla_max_batch, o.sla_alpha, o.sla_delta,
-                   o.sla_window)
 
     def on_step_time(self, num_running: int, seconds: float) -> None:
         self.samples.append((num_running, seconds * 1000.0))

@@ -2,7 +2,9 @@
 
 A `SchedulePolicy` decides *which* pending sample takes a free slot (and which running one is preempted); an
 `AdmissionPolicy` decides *how many* samples may run at once. Both are pure Python over `Sequence` objects, so the
-engine and the trace simulator (`trl_infinite.sim`) run exactly the same code.
+engine and the trace simulator (`trl_infinite.sim`) run exactly the same code. Both are built by name for each call
+(`call.RolloutCall.build`): `SCHEDULERS.build(name, config, predictor, slot_limit)`,
+`BATCH_POLICIES.build(name, config)`, with `config` the `SchedulingConfig`; each reads its own section of it.
 """
 
 from __future__ import annotations
@@ -13,26 +15,8 @@ from typing import TYPE_CHECKING
 from ..sequence import Group, Sequence
 
 if TYPE_CHECKING:
+    from ..config import SchedulingConfig
     from .predictors import LengthPredictor
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    """Everything a scheduling plug-in built by name may take (`EngineConfig`'s fields of the same names; see
-    `factory.policy_options`). Each plug-in's `from_options` passes its own to its typed constructor."""
-
-    predictor: LengthPredictor | None = None  # the engine's length predictor (learns across calls)
-    num_slots: int | None = None  # g, for plans (FPTAS bins)
-    fptas_epsilon: float = 0.1
-    memory_eps: float = 0.05  # "memory": eps_m of the safety buffer
-    memory_min_observations: int = 4  # "memory": finished samples before the length statistics are used
-    sla_decode_ms: float | None = None  # "sla": target decode step latency
-    sla_tolerance_ms: float | None = None  # "sla": +- band around the target (None: 5% of it)
-    sla_min_batch: int = 1
-    sla_max_batch: int | None = None  # None: 256
-    sla_alpha: int = 2  # "sla": search window width
-    sla_delta: int = 1  # "sla": widening step
-    sla_window: int = 4  # "sla": decode steps per adjustment
 
 
 @dataclass
@@ -52,10 +36,9 @@ class SchedulePolicy:
 
     name = "base"
 
-    @classmethod
-    def from_options(cls, options: PolicyOptions) -> SchedulePolicy:
-        """Build by registry name (subclasses that take options override this)."""
-        return cls()
+    def __init__(self, config: SchedulingConfig, predictor: LengthPredictor, slot_limit: int | None) -> None:
+        """`predictor`: the engine's length predictor (it learns across calls); `slot_limit`: the sampling mode's
+        slots (None: no slot bound)."""
 
     def on_submit(self, groups: list[Group], sequences: list[Sequence]) -> None:
         """Called once per `generate` with everything that will run (plans such as FPTAS are made here)."""
@@ -97,10 +80,8 @@ class AdmissionPolicy:
 
     name = "base"
 
-    @classmethod
-    def from_options(cls, options: PolicyOptions) -> AdmissionPolicy:
-        """Build by registry name (subclasses that take options override this)."""
-        return cls()
+    def __init__(self, config: SchedulingConfig) -> None:
+        pass
 
     def max_running(self, view: SchedulerView) -> int | None:
         """Most samples that may run after this step's admissions (None = no bound beyond memory)."""

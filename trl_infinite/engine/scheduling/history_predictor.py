@@ -14,7 +14,7 @@ GRPO revisits its prompts every epoch, and a prompt's completion lengths change 
    hidden state at completion token k (samples that no earlier link answers for probe their first k tokens).
 4. **global**: the mean of recent finished lengths (all prompts) longer than e; `max_new_tokens` before any.
 
-`fallback="none"` (the default, `EngineConfig.history_fallback`) keeps links 1 and 4: on the recorded SmolLM2 traces
+`fallback="none"` (the default, `history_fallback`) keeps links 1 and 4: on the recorded SmolLM2 traces
 the sibling link made `lfs` lose to FIFO on first visits (the first siblings to finish are the short ones, and
 within-prompt spread dominates), and the prefix link makes every unseen prompt's samples stop at token k+1 to probe
 (see benchmarks/RESULTS.md). Every estimate is conditioned on the sample still running (L > e), so it grows as the
@@ -27,14 +27,17 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
 from ..history import PromptHistory
 from ..sequence import Group, Sequence
-from .predictors import ErrorStats, LengthPredictor, PredictorOptions, PrefixPredictor, register_predictor
+from .predictors import ErrorStats, LengthPredictor, PrefixPredictor, register_predictor
+
+if TYPE_CHECKING:
+    from ..config import SchedulingConfig
 
 SOURCES = ("history", "siblings", "prefix", "global")
-FALLBACKS = ("none", "siblings", "prefix", "siblings+prefix")
 
 
 class SortedLengths:
@@ -68,20 +71,19 @@ class FirstPrediction:
 @register_predictor("history")
 class HistoryPredictor(LengthPredictor):
     """The chain of the module docstring. `history`: the engine's `PromptHistory` (a private one when None);
-    `k`: the prefix head's k; `fallback`: the links between history and the global mean (one of `FALLBACKS`);
-    `window`: recent finished lengths kept for the global mean."""
+    `config.history_predictor`: `fallback` (the links between history and the global mean) and `mean_window`
+    (recent finished lengths kept for the global mean); the prefix link is a `PrefixPredictor` of `config`."""
 
-    def __init__(self, history: PromptHistory | None = None, k: int = 16, fallback: str = "none",
-                 window: int = 4096, prefix: PrefixPredictor | None = None):
+    def __init__(self, config: SchedulingConfig, history: PromptHistory | None = None):
         super().__init__()
-        if fallback not in FALLBACKS:
-            raise ValueError(f"`history_fallback` must be one of {list(FALLBACKS)}, got {fallback!r}.")
+        options = config.history_predictor
+        fallback = options.fallback
         self.history = history if history is not None else PromptHistory()
         self.use_siblings = "siblings" in fallback
-        self.prefix = prefix if prefix is not None else PrefixPredictor(k=k)
-        self.prefix_k = k if "prefix" in fallback else None
+        self.prefix = PrefixPredictor(config)
+        self.prefix_k = self.prefix.prefix_k if "prefix" in fallback else None
         self.wants_hidden = "prefix" in fallback
-        self.recent: deque[int] = deque(maxlen=window)
+        self.recent: deque[int] = deque(maxlen=options.mean_window)
         self._recent_sorted: SortedLengths | None = None
         self._recent_sum = 0
         self._past: WeakKeyDictionary[Group, SortedLengths] = WeakKeyDictionary()
@@ -89,11 +91,6 @@ class HistoryPredictor(LengthPredictor):
         self._first: dict[int, FirstPrediction] = {}  # seq_id -> first prediction (side table, popped at finish)
         self.source_scores: dict[str, ErrorStats] = {s: ErrorStats() for s in SOURCES}
         self.baseline = ErrorStats()  # the constant-mean predictor on the same samples
-
-    @classmethod
-    def from_options(cls, options: PredictorOptions) -> HistoryPredictor:
-        return cls(history=options.history, k=options.prefix_k, fallback=options.history_fallback,
-                   window=options.history_window, prefix=PrefixPredictor.from_options(options))
 
     def begin_call(self, groups: list[Group]) -> None:
         self.prefix.begin_call(groups)

@@ -7,22 +7,23 @@ tokens are probed first (they decode k+1 tokens, return to the queue with their 
 
 from __future__ import annotations
 
-from ..plugins import register_scheduler
+from typing import TYPE_CHECKING
+
+from ..registry import register_scheduler
 from ..sequence import Group, Sequence
-from .base import PolicyOptions, SchedulePolicy, SchedulerView
+from .base import SchedulePolicy, SchedulerView
 from .fptas import fptas_partition
-from .predictors import GroupPredictor, LengthPredictor, make_predictor
+from .predictors import GroupPredictor, LengthPredictor
+
+if TYPE_CHECKING:
+    from ..config import SchedulingConfig
 
 
 class LengthAwarePolicy(SchedulePolicy):
-    """`predictor`: a `LengthPredictor`, shared across calls so it keeps learning (None: "none")."""
+    """Ranks by `predictor`, the engine's `LengthPredictor` (shared across calls, so it keeps learning)."""
 
-    def __init__(self, predictor: LengthPredictor | None = None) -> None:
-        self.predictor = predictor or make_predictor("none")
-
-    @classmethod
-    def from_options(cls, options: PolicyOptions) -> LengthAwarePolicy:
-        return cls(options.predictor)
+    def __init__(self, config: SchedulingConfig, predictor: LengthPredictor, slot_limit: int | None) -> None:
+        self.predictor = predictor
 
     # -- helpers
     def probing(self, seq: Sequence) -> bool:
@@ -84,21 +85,16 @@ class FPTASPolicy(LengthAwarePolicy):
 
     steal = False
 
-    def __init__(self, predictor: LengthPredictor | None = None, num_slots: int | None = None,
-                 fptas_epsilon: float = 0.1) -> None:
-        super().__init__(predictor)
-        self.num_slots = num_slots
-        self.eps = fptas_epsilon
+    def __init__(self, config: SchedulingConfig, predictor: LengthPredictor, slot_limit: int | None) -> None:
+        super().__init__(config, predictor, slot_limit)
+        self.num_slots = slot_limit
+        self.eps = config.fptas.epsilon
         self.num_bins = 0
         # side tables by seq_id (this policy lives for one call)
         self.planned: dict[int, tuple[int, int]] = {}  # (bin, position in the bin) of the plan
         self.slot: dict[int, int] = {}  # slot (bin) a running sample occupies
         self.next_slot: dict[int, int] = {}  # slot a sample was picked for, committed once it is admitted
         self.slot_order: dict[int, int] = {}  # `admit_order` of the admission the slot was committed for
-
-    @classmethod
-    def from_options(cls, options: PolicyOptions) -> FPTASPolicy:
-        return cls(options.predictor, options.num_slots, options.fptas_epsilon)
 
     def plan(self, waiting: list[Sequence]) -> None:
         if self.num_bins or not waiting or any(self.probing(s) for s in waiting):
@@ -168,8 +164,8 @@ class SeerPolicy(LengthAwarePolicy):
     length first (SFS); the others go largest group estimate L_g first (LFS), L_g from finished siblings
     (`max_new_tokens` until one finishes). Pair with `chunk_tokens` for divided rollout."""
 
-    def __init__(self, predictor: LengthPredictor | None = None) -> None:
-        super().__init__(GroupPredictor())  # Seer's estimate is the group's own, learnt within the call
+    def __init__(self, config: SchedulingConfig, predictor: LengthPredictor, slot_limit: int | None) -> None:
+        super().__init__(config, GroupPredictor(), slot_limit)  # Seer's estimate is the group's own, learnt in the call
 
     def ordered(self, view: SchedulerView) -> list[Sequence]:
         spec = [s for s in view.waiting if s.sample_idx == 0]

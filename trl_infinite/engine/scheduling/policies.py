@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plugins import register_scheduler
+from ..registry import register_scheduler
 from ..sequence import Sequence
 from .base import SchedulePolicy
 

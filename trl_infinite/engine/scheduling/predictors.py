@@ -18,33 +18,25 @@ learn. Every prediction that was used is scored against the true length at finis
   from finished siblings, else the prefix head, else the global mean (the default chain).
 - "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
 
-Predictors are built by name from `PredictorOptions` (`make_predictor`), one per engine, so they learn across calls;
-`begin_call(groups)` tells them a new `generate` call starts (group ids restart at 0 every call).
+Predictors are built by name, `PREDICTORS.build(name, config, history)` with the `SchedulingConfig` (each reads its
+own section: `prefix_predictor`, `history_predictor`) and the engine's `PromptHistory` (`build_predictor`), one per
+engine, so they learn across calls; `begin_call(groups)` tells them a new `generate` call starts (group ids restart
+at 0 every call).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..history import PromptHistory
-from ..plugins import PREDICTORS, register_predictor
+from ..registry import PREDICTORS, register_predictor
 from ..sequence import Group, Sequence
 from .ridge import OnlineRidge
 
-
-@dataclass
-class PredictorOptions:
-    """What a predictor built by name may use: `prefix_k` (completion tokens the prefix head reads), the engine's
-    per-prompt `history` (None: the predictor keeps none) and the "history" chain's `history_fallback`."""
-
-    prefix_k: int = 16
-    history: PromptHistory | None = None
-    history_fallback: str = "none"  # links of the "history" chain after the history itself
-    prefix_min_train: int = 8  # finished samples the prefix head needs before it predicts
-    prefix_l2: float | None = None  # the head's ridge penalty (None: chosen by leave-one-prompt-out error)
-    history_window: int = 4096  # recent finished lengths behind the "history" chain's global mean
+if TYPE_CHECKING:
+    from ..config import SchedulingConfig
 
 
 class ErrorStats:
@@ -81,7 +73,9 @@ class LengthPredictor:
     prefix_k: int | None = None
     wants_hidden: bool = False
 
-    def __init__(self) -> None:
+    def __init__(self, config: SchedulingConfig | None = None, history: PromptHistory | None = None) -> None:
+        """`config` (the `SchedulingConfig`) and `history` (the engine's) are what a predictor built by name may
+        read; the base class needs neither."""
         self.scores = ErrorStats()
         # seq_id -> the prediction the sample is ranked with (side table, popped when the sample finishes)
         self.predictions: dict[int, float] = {}
@@ -90,11 +84,6 @@ class LengthPredictor:
     def abs_errors(self) -> list[float]:
         """The absolute errors of the current call's scored predictions."""
         return self.scores.call
-
-    @classmethod
-    def from_options(cls, options: PredictorOptions) -> LengthPredictor:
-        """Build by registry name (subclasses that take options override this)."""
-        return cls()
 
     def begin_call(self, groups: list[Group]) -> None:
         """A `generate` call with these prompt groups starts (called by the length-aware policies)."""
@@ -159,7 +148,7 @@ class OraclePredictor(LengthPredictor):
 class GroupPredictor(LengthPredictor):
     """Seer's group-level estimate L_g: mean finished sibling length (updated as siblings finish)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: SchedulingConfig | None = None, history: PromptHistory | None = None) -> None:
         super().__init__()
         self.finished: dict[int, list[int]] = {}
 
@@ -191,25 +180,22 @@ class GroupPredictor(LengthPredictor):
 
 @register_predictor("prefix")
 class PrefixPredictor(LengthPredictor):
-    """Length from the prompt + first k completion tokens (see module docstring)."""
+    """Length from the prompt + first k completion tokens (see module docstring); options from
+    `config.prefix_predictor`. `fn`: a user's predictor in place of the head (`length_predictor` given as a callable
+    or a sequence-classification model)."""
 
     wants_hidden = True
 
-    def __init__(self, k: int = 16, fn: Callable | None = None, min_train: int = 8, l2: float | None = None):
+    def __init__(self, config: SchedulingConfig, history: PromptHistory | None = None, fn: Callable | None = None):
         super().__init__()
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"`prefix_predictor_k` must be an integer >= 1, got {k!r}.")
-        self.prefix_k = k
+        options = config.prefix_predictor
+        self.prefix_k = options.k
         self.fn = _wrap_user_predictor(fn) if fn is not None else None
         self.wants_hidden = fn is None
-        self.head = OnlineRidge(l2)
-        self.min_train = min_train
+        self.head = OnlineRidge(options.l2)
+        self.min_train = options.min_train
         self.fallback = GroupPredictor()
         self.features: dict = {}  # seq_id -> hidden state at token k (numpy), popped when the sample finishes
-
-    @classmethod
-    def from_options(cls, options: PredictorOptions) -> PrefixPredictor:
-        return cls(k=options.prefix_k, min_train=options.prefix_min_train, l2=options.prefix_l2)
 
     def begin_call(self, groups: list[Group]) -> None:
         self.fallback.begin_call(groups)
@@ -266,11 +252,13 @@ def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
     return fn
 
 
-def make_predictor(spec, options: PredictorOptions | None = None) -> LengthPredictor:
-    """`spec`: a registered name, a `LengthPredictor`, a callable or a sequence-classification model."""
-    options = options or PredictorOptions()
+def build_predictor(config: SchedulingConfig, history: PromptHistory | None = None) -> LengthPredictor:
+    """The predictor `config.length_predictor` names (a registered name), is (a `LengthPredictor`), or wraps (a
+    callable or a sequence-classification model, in place of the prefix head). One per engine or simulated run:
+    it keeps learning across calls and reads the engine's per-prompt `history`."""
+    spec = config.length_predictor
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
-        return PREDICTORS.get_or_raise(spec).from_options(options)
-    return PrefixPredictor(k=options.prefix_k, fn=spec, min_train=options.prefix_min_train, l2=options.prefix_l2)
+        return PREDICTORS.build(spec, config, history)
+    return PrefixPredictor(config, history, fn=spec)

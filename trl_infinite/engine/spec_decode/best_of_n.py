@@ -13,28 +13,27 @@ the members that were not verified improve for free.
 
 from __future__ import annotations
 
-from ..engine.sequence import Sequence
+from ..config import SpeculativeConfig
+from ..sequence import Sequence
 from .adaptive import AcceptanceTracker, expected_accepted
-from .drafter import EMPTY, Drafter, Proposal, register_drafter
+from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
 
 @register_drafter("best_of_n")
 class BestOfNDrafter(Drafter):
-    """Picks, per sample, the member drafter with the most expected accepted tokens per unit cost (module docs)."""
+    """Picks, per sample, the member drafter with the most expected accepted tokens per unit cost (module docs).
+    Members: the suffix tree, n-grams, and the draft model where `context` has one; `config.best_of_n`."""
 
-    def __init__(self, draft_model=None, tail_batch: int = 4, **kwargs):
+    def __init__(self, config: SpeculativeConfig, context: DraftContext):
         super().__init__()
-        config = kwargs.get("config")
-        if config is not None:  # built by name: the options are `EngineConfig`'s
-            tail_batch = config.speculative_best_of_n_tail_batch
-        self.members: list[Drafter] = [SuffixDrafter(**kwargs), NgramDrafter(config=config)]
-        if draft_model is not None:
+        self.members: list[Drafter] = [SuffixDrafter(config, context), NgramDrafter(config, context)]
+        if context.draft_model is not None:
             from .draft_model import DraftModelDrafter
 
-            self.members.append(DraftModelDrafter(draft_model=draft_model, **kwargs))
-        self.tail_batch = tail_batch
+            self.members.append(DraftModelDrafter(config, context))
+        self.tail_batch = config.best_of_n.tail_batch
         self.tracker = AcceptanceTracker()
         self.pending: dict[int, list[tuple[int, list[int]]]] = {}  # seq -> [(member, proposal)] awaiting scoring
         self.chosen: dict[str, int] = {m.name: 0 for m in self.members}

@@ -1,6 +1,11 @@
-"""The ready-made accuracy rewards."""
+"""The example scripts' ready-made accuracy rewards (`examples/rewards.py`)."""
 
-from trl_infinite.trainer.rewards import format_reward, gsm8k_reward, knights_knaves_reward, math_reward
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from rewards import format_reward, gsm8k_reward, knights_knaves_reward, math_reward  # noqa: E402
 
 
 def test_gsm8k_reward():

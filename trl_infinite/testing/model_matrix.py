@@ -1,6 +1,6 @@
 """Model matrix: every causal-LM model type of `transformers`, through the engine against `model.generate`.
 
-    python -m trl_infinite.utils.model_matrix --out docs/models.md [--types llama gemma2 ...]
+    python -m trl_infinite.testing.model_matrix --out docs/models.md [--types llama gemma2 ...]
 
 For each model type it builds a tiny random-weight float32 model (`tiny_configs`), then either records the
 `ValueError` with which `RolloutEngine` refuses it, or runs greedy decoding in `fixed_slot` and `full_group` mode
@@ -199,10 +199,10 @@ def markdown(rows: list[Row], head_dim: int = SIZES["head_dim"]) -> str:
     lines = [
         INTRO.rstrip("\n"),
         "",
-        f"`python -m trl_infinite.utils.model_matrix"
+        f"`python -m trl_infinite.testing.model_matrix"
         f"{'' if head_dim == SIZES['head_dim'] else f' --head-dim {head_dim}'} --out docs/models.md` (transformers "
         f"{transformers.__version__}, torch {torch.__version__}, CPU, float32) builds every causal-LM model type of "
-        "transformers as a tiny random-weight model (`trl_infinite/utils/tiny_configs.py`: 2 layers, hidden "
+        "transformers as a tiny random-weight model (`trl_infinite/testing/tiny_configs.py`: 2 layers, hidden "
         f"{4 * head_dim}, head dim {head_dim}, sliding window 6, attention chunk 5) and runs greedy decoding in "
         "`fixed_slot` and `full_group` mode with block sizes 16 and 5 (G = 3, "
         "prompts of 3, 8, 9 and 17 tokens, 12 new tokens, an EOS that ends some samples early) against "

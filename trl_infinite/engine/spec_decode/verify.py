@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.batch import INVALID_TOKEN
-from ..engine.sampler import categorical
+from ..batch import INVALID_TOKEN
+from ..sampler import categorical
 
 
 @dataclass

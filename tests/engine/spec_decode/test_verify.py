@@ -5,7 +5,7 @@ import torch
 
 from trl_infinite.engine.batch import INVALID_TOKEN
 from trl_infinite.engine.sampler import STREAM_SAMPLE, categorical, row_keys
-from trl_infinite.spec_decode import verify_greedy, verify_sampling
+from trl_infinite.engine.spec_decode import verify_greedy, verify_sampling
 
 
 def test_greedy_accepts_matching_prefix_and_emits_target_argmax():

@@ -9,7 +9,7 @@ from scipy.stats import chi2
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.sampler import Sampler
-from trl_infinite.spec_decode import Drafter, Proposal, register_drafter
+from trl_infinite.engine.spec_decode import Drafter, Proposal, register_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
 MAX_NEW = 32
@@ -41,9 +41,9 @@ class _ModelOracle(Drafter):
 
     pick = "argmax"
 
-    def __init__(self, model=None, **_):
+    def __init__(self, config, context):
         super().__init__()
-        self.model, self.ctx = model, {}
+        self.model, self.ctx = context.draft_model, {}  # the target model itself, given as the draft model
 
     def _start(self, seq):
         self.ctx[seq.seq_id] = seq.group.prompt_ids + seq.output_ids
@@ -76,11 +76,10 @@ class _AlwaysWrong(_ModelOracle):
 
 
 def _engine(model, method=None, draft=None, **kw):
+    if method is not None and method.startswith("test_"):
+        draft = model  # the test drafters draft with the target model itself
     cfg = EngineConfig(kv_cache_tokens=16384, speculative_method=method, speculative_draft_model=draft, **kw)
-    eng = RolloutEngine(model, cfg)
-    if eng.speculator is not None:
-        eng.speculator.extras["model"] = model  # for the test drafters
-    return eng
+    return RolloutEngine(model, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +93,7 @@ def greedy_base(model):
 def test_greedy_identical_to_plain_engine_and_generate(model, draft, greedy_base, method):
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     base, reference = greedy_base
-    spec = _engine(model, method, draft if method == "draft_model" else None, num_speculative_tokens=4)
+    spec = _engine(model, method, draft if method == "draft_model" else None, speculative_num_tokens=4)
     out = spec.generate(PROMPTS, 2, sp)
     assert out.completion_ids == base.completion_ids
     for i in range(len(PROMPTS)):
@@ -149,7 +148,7 @@ def test_sampled_distribution_matches_target(model, draft, method):
     prompt, g = PROMPTS[0], 1500
     sp = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=6, top_p=0.9, seed=11)
     law = _exact_triples(model, prompt, sp)
-    cfg = dict(max_active_sequences=g, num_speculative_tokens=2, speculative_adaptive=False)
+    cfg = dict(max_active_sequences=g, speculative_num_tokens=2, speculative_adaptive=False)
     out = _engine(model, method, draft if method == "draft_model" else None, **cfg).generate([prompt], g, sp)
     base = _engine(model, max_active_sequences=g).generate([prompt], g, sp)
     s = out.stats
@@ -169,7 +168,7 @@ def test_greedy_history_drafts_identical_and_accepted(model, greedy_base):
     output identical, and the repeated greedy text is accepted almost whole."""
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     base = greedy_base[0]
-    eng = _engine(model, "suffix", num_speculative_tokens=4, speculative_adaptive=False,
+    eng = _engine(model, "suffix", speculative_num_tokens=4, speculative_adaptive=False,
                   speculative_suffix_sources="history")
     first = eng.generate(PROMPTS, 2, sp)  # no earlier visit yet: drafts from the prompt text only
     second = eng.generate(PROMPTS, 2, sp)
@@ -185,7 +184,7 @@ def test_history_drafts_keep_the_sampled_distribution(model):
     prompt, g = PROMPTS[0], 1500
     sp = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=6, top_p=0.9, seed=11)
     law = _exact_triples(model, prompt, sp)
-    eng = _engine(model, "suffix", max_active_sequences=g, num_speculative_tokens=2, speculative_adaptive=False,
+    eng = _engine(model, "suffix", max_active_sequences=g, speculative_num_tokens=2, speculative_adaptive=False,
                   speculative_suffix_sources="history")
     eng.generate([prompt], g, SamplingParams(max_new_tokens=4, temperature=1.0, top_k=6, top_p=0.9, seed=5))
     out = eng.generate([prompt], g, sp)

@@ -16,10 +16,9 @@ samples are matched against the tree without being inserted). Drafts stay propos
 
 from __future__ import annotations
 
-from ..engine.config import SUFFIX_SOURCES
-from ..engine.history import PromptHistory
-from ..engine.sequence import Sequence
-from .drafter import EMPTY, Drafter, Proposal, register_drafter
+from ..config import SpeculativeConfig
+from ..sequence import Sequence
+from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 
 
 class _Node:
@@ -70,19 +69,15 @@ class _GroupTree:
 
 @register_drafter("suffix")
 class SuffixDrafter(Drafter):
-    """Frequency-scored drafts from the group's shared suffix trie (prompt + all sibling completions)."""
+    """Frequency-scored drafts from the group's shared suffix trie (prompt + all sibling completions). Options:
+    `config.suffix`; the earlier completions from `context.history`."""
 
-    def __init__(self, max_depth: int = 24, min_confidence: float = 0.1, min_match: int = 1,
-                 history: PromptHistory | None = None, sources: str | None = None, config=None, **_):
+    def __init__(self, config: SpeculativeConfig, context: DraftContext):
         super().__init__()
-        if config is not None:  # built by name: the options are `EngineConfig`'s
-            max_depth, min_confidence = config.speculative_suffix_max_depth, config.speculative_suffix_min_confidence
-            min_match = config.speculative_suffix_min_match
-        self.max_depth, self.min_confidence, self.min_match = max_depth, min_confidence, min_match
-        sources = sources or (config.speculative_suffix_sources if config is not None else "siblings+history")
-        if sources not in SUFFIX_SOURCES:
-            raise ValueError(f"`speculative_suffix_sources` must be one of {list(SUFFIX_SOURCES)}, got {sources!r}.")
-        self.history = history if "history" in sources else None
+        options = config.suffix
+        self.max_depth, self.min_confidence, self.min_match = options.max_depth, options.min_confidence, options.min_match
+        sources = options.sources
+        self.history = context.history if "history" in sources else None
         self.insert_own = "siblings" in sources
         self.trees: dict[int, _GroupTree] = {}
         self.active_nodes: dict[int, list[_Node]] = {}

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.attention import Segment
-from ..engine.config import EngineConfig, SamplingParams
-from ..engine.kv_pool import KVCachePool
-from ..engine.model_runner import ModelRunner, last_rows
-from ..engine.sampler import STREAM_SAMPLE, Sampler, row_keys
-from ..engine.sequence import Sequence
-from ..engine.support import check_support
-from .drafter import EMPTY, Drafter, Proposal, register_drafter
+from ..attention import Segment
+from ..config import EngineConfig, SpeculativeConfig
+from ..kv_pool import KVCachePool
+from ..model_runner import ModelRunner, last_rows
+from ..sampler import STREAM_SAMPLE, Sampler, row_keys
+from ..sequence import Sequence
+from ..support import check_support
+from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 
 
 def load_draft_model(spec, device: torch.device) -> torch.nn.Module:
@@ -44,18 +44,20 @@ class _State:
 class DraftModelDrafter(Drafter):
     cost_per_token = 0.2  # relative to a target decode forward; refined by the engine's cost model via acceptance
 
-    def __init__(self, config: EngineConfig, device: torch.device, sampling: SamplingParams, draft_model, **_):
+    def __init__(self, config: SpeculativeConfig, context: DraftContext):
         super().__init__()
-        tokens = config.kv_cache_tokens or config.default_cpu_kv_tokens
-        pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=config.block_size,
-                                attention_backend=config.attention_backend)
-        # the draft model runs on a pool too, on the target's attention path (in the dtype it computes in)
-        support = check_support(draft_model, config.attention_backend, config.cpu_decode_kernel)
+        target, draft_model, device = context.engine, context.draft_model, context.device
+        decode = target.decode
+        # the draft model runs on a pool too (the target's token budget), on the target's attention path (in the
+        # dtype it computes in)
+        pool_cfg = EngineConfig(kv_cache_tokens=target.kv_cache.tokens or target.kv_cache.cpu_tokens,
+                                block_size=target.block_size, attention_backend=decode.attention_backend)
+        support = check_support(draft_model, decode.attention_backend, decode.cpu_decode_kernel)
         self.pool = KVCachePool(support.kv, pool_cfg, dtype=support.kv_dtype, device=device)
-        self.runner = ModelRunner(draft_model, self.pool, config.attention_backend, support.layers,
+        self.runner = ModelRunner(draft_model, self.pool, decode.attention_backend, support.layers,
                                   cpu_decode_kernel=support.decode_kernel)
-        self.sampler = Sampler(sampling)
-        self.seed = sampling.seed
+        self.sampler = Sampler(context.sampling)
+        self.seed = context.sampling.seed
         self.device = device
         self.states: dict[int, _State] = {}
 

@@ -13,39 +13,43 @@ import time
 
 import torch
 
-from ..engine.attention import Segment
-from ..engine.batch import ScheduledBatch
-from ..engine.config import EngineConfig, SamplingParams
-from ..engine.executor import StepContext
-from ..engine.sampler import STREAM_SAMPLE, row_keys, seen_mask
-from ..engine.sequence import SeqStatus, Sequence
+from ..attention import Segment
+from ..batch import ScheduledBatch
+from ..config import EngineConfig, SamplingParams
+from ..executor import StepContext
+from ..registry import DRAFTERS
+from ..sampler import STREAM_SAMPLE, row_keys, seen_mask
+from ..sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
-from .drafter import EMPTY, Drafter, Proposal, build_drafter
+from .drafter import EMPTY, DraftContext, Drafter, Proposal
 from .verify import Verified, verify
 
 
 class Speculator:
-    """Engine-lifetime state: the drafter name/options and the cost model (profiled once per model)."""
+    """Engine-lifetime state: the drafter's name and options (`config.speculative`), the draft model (loaded once),
+    the engine's history, and the cost model (profiled once per model)."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, block_size: int, history=None):
-        self.config = config
+    def __init__(self, config: EngineConfig, device: torch.device, history=None):
+        self.engine_config = config
+        self.config = config.speculative
+        self.adaptive = self.config.adaptive
         self.device = device
         self.cost = CostModel()
-        self.extras: dict = {"history": history}  # the engine's `PromptHistory` (drafts from earlier visits)
-        if config.speculative_draft_model is not None:
+        self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
+        self.draft_model = None
+        if self.config.draft_model is not None:
             from .draft_model import load_draft_model
 
-            self.extras["draft_model"] = load_draft_model(config.speculative_draft_model, device)
+            self.draft_model = load_draft_model(self.config.draft_model, device)
 
     @property
     def max_tokens(self) -> int:
-        return self.config.num_speculative_tokens
+        return self.config.num_tokens
 
     def build_drafter(self, sampling: SamplingParams) -> Drafter:
-        """A fresh drafter for one `generate` call, the one `config.speculative_method` names."""
-        return build_drafter(
-            self.config.speculative_method, config=self.config, device=self.device, sampling=sampling, **self.extras
-        )
+        """A fresh drafter for one `generate` call, the one `speculative_method` names."""
+        context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model)
+        return DRAFTERS.build(self.config.method, self.config, context)
 
     def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
         return SpeculativeStep(ctx, self, self.build_drafter(sampling), sampling)
@@ -115,7 +119,7 @@ class SpeculativeStep:
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
-        ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.config.speculative_adaptive)
+        ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive)
         if not any(ks):
             return [EMPTY] * len(seqs)
         proposals = self.drafter.propose(seqs, ks)

@@ -4,7 +4,7 @@
 the class accepts (2 layers, hidden 32, 4 query heads, 2 KV heads, vocabulary 96, 4 experts, small MLA ranks, ...),
 so the class's own `__post_init__` derives the rest (layer types, rope settings). `OVERRIDES` holds the few fields a
 model type needs on top. `build_tiny_model` refuses configurations above `max_params` (measured on the meta device
-before any memory is allocated). Used by the model matrix (`python -m trl_infinite.utils.model_matrix`) and tests.
+before any memory is allocated). Used by the model matrix (`python -m trl_infinite.testing.model_matrix`) and tests.
 """
 
 from __future__ import annotations

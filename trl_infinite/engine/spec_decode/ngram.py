@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from ..engine.sequence import Sequence
-from .drafter import EMPTY, Drafter, Proposal, register_drafter
+from ..config import SpeculativeConfig
+from ..sequence import Sequence
+from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 
 
 @register_drafter("ngram")
 class NgramDrafter(Drafter):
     """For n from `max_n` down to `min_n`, find the latest earlier position where the sample's last n tokens
     (prompt + completion) occurred and propose the tokens that followed. Tables are updated incrementally: the
-    n-gram ending at index j is indexed (-> j) once token j exists, so a hit always has a continuation."""
+    n-gram ending at index j is indexed (-> j) once token j exists, so a hit always has a continuation. Options:
+    `config.ngram`."""
 
-
-    def __init__(self, max_n: int = 4, min_n: int = 2, config=None, **_):
+    def __init__(self, config: SpeculativeConfig, context: DraftContext | None = None):
         super().__init__()
-        if config is not None:  # built by name: the options are `EngineConfig`'s
-            max_n, min_n = config.speculative_ngram_max_n, config.speculative_ngram_min_n
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n = config.ngram.max_n, config.ngram.min_n
         self.ctx: dict[int, list[int]] = {}
         self.tables: dict[int, dict[tuple[int, ...], int]] = {}
 

@@ -5,15 +5,37 @@ A drafter sees each sample through four calls: `start(seq)` when the sample firs
 for up to `ks[i]` draft tokens per sample, and `stop(seq)` when it finished. Drafts are proposals only: verification
 emits exactly the tokens plain decoding would (`verify.py`), so a drafter can never change the output, only the
 speed.
+
+Drafters are built by name for each `generate` call, `DRAFTERS.build(name, config, context)`: `config` is the
+`SpeculativeConfig` (each drafter reads its own section: `suffix`, `ngram`, `best_of_n`), `context` a `DraftContext`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..engine.plugins import DRAFTERS, register_drafter
-from ..engine.sequence import Sequence
+from ..registry import DRAFTERS, register_drafter
+from ..sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import EngineConfig, SamplingParams, SpeculativeConfig
+    from ..history import PromptHistory
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may use besides its options. `engine`: the target's config (a draft model's own pool mirrors
+    its block size, KV budget and attention settings); `history`: the engine's per-prompt history; `draft_model`:
+    `speculative_draft_model`, loaded once per engine (None when not set)."""
+
+    device: torch.device
+    sampling: SamplingParams
+    engine: EngineConfig
+    history: PromptHistory | None = None
+    draft_model: torch.nn.Module | None = None
 
 
 @dataclass
@@ -33,7 +55,7 @@ class Drafter:
     name = "base"
     cost_per_token = 0.0  # drafting cost of one token relative to one target decode forward (draft ladder input)
 
-    def __init__(self) -> None:
+    def __init__(self, config: SpeculativeConfig | None = None, context: DraftContext | None = None) -> None:
         self.active: dict[int, Sequence] = {}
 
     def start(self, seq: Sequence) -> None:
@@ -58,11 +80,4 @@ class Drafter:
         self.active.pop(seq.seq_id, None)
 
 
-DrafterFactory = Callable[..., Drafter]
-# Drafter classes/factories by name (`EngineConfig.speculative_method`) live in `engine.plugins.DRAFTERS`; a factory
-# is called as `factory(config=EngineConfig, device=torch.device, **extras)`.
-__all__ = ["DRAFTERS", "EMPTY", "Drafter", "DrafterFactory", "Proposal", "build_drafter", "register_drafter"]
-
-
-def build_drafter(name: str, **kwargs) -> Drafter:
-    return DRAFTERS.get_or_raise(name)(**kwargs)
+__all__ = ["DRAFTERS", "EMPTY", "DraftContext", "Drafter", "Proposal", "register_drafter"]

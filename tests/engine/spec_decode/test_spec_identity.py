@@ -55,7 +55,7 @@ def test_speculation_on_or_off_gives_the_same_samples(model, draft, plain, metho
 
 def test_samples_do_not_depend_on_what_the_controller_drafts(model, plain, monkeypatch):
     """Random draft lengths every step (any decision the adaptive controller could make): the same samples."""
-    import trl_infinite.spec_decode.step as step
+    import trl_infinite.engine.spec_decode.step as step
 
     rng = random.Random(0)
     monkeypatch.setattr(step, "plan_lengths", lambda alphas, caps, cost, adaptive: [rng.randint(0, c) for c in caps])
@@ -70,5 +70,5 @@ def test_identity_with_penalty_and_truncation(model):
     sampling = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
                               seed=9)
     base = _run(model, sampling)
-    out = _run(model, sampling, "ngram", speculative_adaptive=False, num_speculative_tokens=3)
+    out = _run(model, sampling, "ngram", speculative_adaptive=False, speculative_num_tokens=3)
     assert out.stats.verify_steps > 0 and out.completion_ids == base.completion_ids

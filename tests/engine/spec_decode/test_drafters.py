@@ -1,12 +1,19 @@
 """Drafter units: the grouped suffix tree proposes a sibling's continuation; n-gram prompt lookup; registry."""
 
 import pytest
+import torch
 
-from trl_infinite.engine import EngineConfig
+from trl_infinite.engine import EngineConfig, SamplingParams
 from trl_infinite.engine.history import PromptHistory
 from trl_infinite.engine.sequence import Group, Sequence
-from trl_infinite.spec_decode import DRAFTERS, build_drafter
-from trl_infinite.spec_decode.adaptive import AcceptanceTracker, best_length
+from trl_infinite.engine.spec_decode import DRAFTERS, DraftContext
+from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, best_length
+
+
+def build_drafter(name, history=None, **flags):
+    """The drafter `name`, built as the engine builds it, with the options of the flags given."""
+    cfg = EngineConfig(**flags)
+    return DRAFTERS.build(name, cfg.speculative, DraftContext(torch.device("cpu"), SamplingParams(), cfg, history))
 
 
 def _group(prompt, g=2):
@@ -31,7 +38,7 @@ def test_suffix_drafts_from_the_prompts_earlier_completions(sources):
     history = PromptHistory()
     history.record([90, 91, 92], [6], [[10, 11, 12, 40, 41, 42]])  # the prompt's completion on an earlier visit
     _, (a, b) = _group([90, 91, 92])
-    d = build_drafter("suffix", history=history, sources=sources)
+    d = build_drafter("suffix", history=history, speculative_suffix_sources=sources)
     d.start(a)
     d.update(a, [10, 11, 12])
     expected = {"siblings": [], "history": [40, 41], "siblings+history": [40, 41]}[sources]
@@ -46,14 +53,14 @@ def test_suffix_drafts_from_the_prompts_earlier_completions(sources):
 
 def test_suffix_confidence_threshold_and_frequency():
     _, seqs = _group([90], g=4)
-    d = build_drafter("suffix", min_confidence=0.6)
+    d = build_drafter("suffix", speculative_suffix_min_confidence=0.6)
     for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
         d.start(s)
         d.update(s, [1, 2, 3] + tail)
     d.start(seqs[3])
     d.update(seqs[3], [1, 2, 3])
     assert d.propose([seqs[3]], [4])[0].tokens == [5, 6]  # 6 follows 5 in 2 of 3 siblings: 2/3 >= 0.6
-    strict = build_drafter("suffix", min_confidence=0.7)
+    strict = build_drafter("suffix", speculative_suffix_min_confidence=0.7)
     for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
         strict.start(s)
         strict.update(s, [1, 2, 3] + tail)
@@ -95,7 +102,7 @@ def test_config_validation():
     assert {"suffix", "ngram", "draft_model", "best_of_n"} <= set(DRAFTERS)
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(speculative_method="medusa")
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        EngineConfig(speculative_method="suffix", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_num_tokens"):
+        EngineConfig(speculative_method="suffix", speculative_num_tokens=0)
     with pytest.raises(ValueError, match="speculative_draft_model"):
         EngineConfig(speculative_method="draft_model")
