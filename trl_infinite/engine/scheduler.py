@@ -8,9 +8,19 @@ sample of the group), then one or more tokens per decode row; samples finish and
 
 A prompt's blocks are allocated when its first sample is admitted and stay resident until all G samples of the
 group finished; a sample owns only the blocks of its own completion tokens.
+
+With a prefix cache (`prefix_cache.py`, carried by the allocator), a prompt's leading full blocks found in the cache
+are shared instead of allocated and only the rest is prefilled (at least its last token, whose logits give the first
+tokens); its new full blocks are registered at once, so a prompt admitted later in the same step reads them (the
+prefill runs the step's prompts in admission order, each layer writing every new token's KV before attending). With
+`cache_completions`, a finished sample's full blocks past its prompt are registered too (its own blocks, its KV
+shifted onto the cache's block grid through `copy_slots` where the prompt ends inside a block), so the next turn of a
+tool loop prefills only what follows them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from .batch import INVALID_TOKEN, NonFiniteLogitsError, ScheduledBatch, StepOutput
 from .block_manager import BlockAllocator, blocks_for
@@ -34,8 +44,17 @@ class Scheduler:
         mode: SamplingMode,
         chunk_tokens: int | None,
         stats: RolloutStats,
+        copy_slots: Callable[[list[int], list[int]], None] | None = None,
+        cache_completions: bool = False,
     ):
+        """`copy_slots(src, dst)`: copies the KV of pool slots `src` into slots `dst` (the engine's pool; None:
+        completions are cached only where their blocks lie on the cache's grid). `cache_completions`: register finished samples'
+        completion blocks in the prefix cache (useful when a later call continues the conversation)."""
         self.allocator = allocator
+        self.cache = allocator.cache
+        self.copy_slots = copy_slots
+        self.cache_completions = cache_completions and allocator.cache is not None
+        self._keys: dict[int, list[int]] = {}  # group_id -> chain keys of its prompt's full blocks
         self.block_size = allocator.block_size
         self.policy = policy
         self.admission = admission
@@ -136,7 +155,7 @@ class Scheduler:
                 break
             group = seq.group
             need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
-            need += 0 if group.resident else blocks_for(group.prompt_len, self.block_size)
+            need += 0 if group.resident else self._prompt_need(group)
             need += self.mode.headroom(len(self.running))
             view.free_blocks = self.allocator.num_free
             if not self.running and not self.allocator.can_allocate(need):
@@ -157,10 +176,86 @@ class Scheduler:
             self._evict_prompt(g)
         return bool(idle)
 
+    # ------------------------------------------------------------------ prefix cache
+    def _prompt_keys(self, group: Group) -> list[int]:
+        keys = self._keys.get(group.group_id)
+        if keys is None:
+            keys = self._keys[group.group_id] = self.cache.keys(group.prompt_ids, group.prompt_len // self.block_size)
+        return keys
+
+    def _prompt_hits(self, group: Group) -> list[int]:
+        """Cached blocks for the prompt's leading full blocks, short of its last token (prefilled for its logits)."""
+        if self.cache is None:
+            return []
+        return self.cache.match(group.prompt_ids, self._prompt_keys(group)[: (group.prompt_len - 1) // self.block_size])
+
+    def _prompt_need(self, group: Group) -> int:
+        """Blocks that making the prompt resident takes from the free count (hits on blocks in use take none)."""
+        hits = self._prompt_hits(group)
+        return blocks_for(group.prompt_len, self.block_size) - sum(1 for b in hits if self.allocator.refs(b) > 0)
+
+    def _allocate_prompt(self, group: Group) -> None:
+        """The prompt's blocks: its cache hits shared, the rest allocated and registered (their KV is computed by
+        this step's prefill, before anything admitted later reads it)."""
+        hits = self._prompt_hits(group)
+        self.allocator.share(hits)  # first: the allocation below may evict unreferenced cached blocks
+        fresh = self.allocator.allocate(blocks_for(group.prompt_len, self.block_size) - len(hits))
+        group.prompt_blocks = hits + fresh
+        group.num_cached = len(hits) * self.block_size
+        if self.cache is None:
+            return
+        self.stats.prefix_cache_hit_tokens += group.num_cached
+        keys, bs = self._prompt_keys(group), self.block_size
+        parent = self.cache.serial(hits[-1]) if hits else 0
+        for i in range(len(hits), len(keys)):
+            parent = self.cache.insert(group.prompt_blocks[i], keys[i], tuple(group.prompt_ids[i * bs:(i + 1) * bs]),
+                                       parent)
+            if parent is None:  # its key is another prefix's (a hash collision): the rest stays uncached
+                break
+
+    def _cache_completion(self, seq: Sequence) -> None:
+        """Register the full blocks of `seq`'s prompt + completion past its prompt's full blocks (see the module
+        docstring): those whose every token's KV is written (all but the last output token's), after a cached
+        chain. Grid block `i` (positions `[i * B, (i + 1) * B)`) goes into the sample's own block `i - P // B`:
+        where the prompt ends inside a block the KV is shifted there (one gather / scatter, no new block: the
+        sample is finished, nothing reads its own blocks any more)."""
+        group, bs, cache = seq.group, self.block_size, self.cache
+        if not seq.blocks or not group.resident:
+            return
+        ids = group.prompt_ids + seq.output_ids
+        full, first = (seq.num_tokens - 1) // bs, group.prompt_len // bs
+        if full <= first:
+            return
+        keys = cache.keys(ids, full)
+        held = cache.match(ids, keys)
+        start = len(held)
+        if start < first or start == full:  # the prompt's chain is not cached, or all of it already is
+            return
+        if group.prompt_len % bs:
+            if self.copy_slots is None:
+                return
+            src = [self._slot(seq, p) for p in range(start * bs, full * bs)]
+            dst = [seq.blocks[i - first] * bs + t for i in range(start, full) for t in range(bs)]
+            self.copy_slots(src, dst)
+        parent = cache.serial(held[-1]) if held else 0
+        for i in range(start, full):
+            parent = cache.insert(seq.blocks[i - first], keys[i], tuple(ids[i * bs:(i + 1) * bs]), parent)
+            if parent is None:
+                return
+            self.stats.cached_completion_blocks += 1
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        """Pool slot holding position `pos` of `seq` (prompt blocks, then its own blocks from the prompt's end)."""
+        plen, bs = seq.prompt_len, self.block_size
+        if pos < plen:
+            return seq.group.prompt_blocks[pos // bs] * bs + pos % bs
+        own = pos - plen
+        return seq.blocks[own // bs] * bs + own % bs
+
     def _start(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> None:
         group = seq.group
         if not group.resident:
-            group.prompt_blocks = self.allocator.allocate(blocks_for(group.prompt_len, self.block_size))
+            self._allocate_prompt(group)
             batch.prefill_groups.append(group)
         resumed = self._resume_kv(seq, batch, lookahead)
         if not resumed:
@@ -236,6 +331,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """A running sample ended, or a waiting one whose first token (from its prompt's prefill) ended it."""
+        if self.cache_completions:
+            self._cache_completion(seq)
         self.allocator.free(seq.blocks)
         seq.blocks = []
         group = seq.group

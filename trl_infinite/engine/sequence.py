@@ -24,6 +24,7 @@ class Group:
     prompt_ids: list[int]
     num_generations: int
     prompt_blocks: list[int] = field(default_factory=list)  # empty while the prompt is not resident
+    num_cached: int = 0  # leading prompt tokens found in the prefix cache when its blocks were last allocated
     samples: list[Sequence] = field(default_factory=list)  # its G samples, in sample order
 
     @property
