@@ -75,10 +75,12 @@ def test_cache_across_calls_only_while_the_pool_is_kept(model):
     assert released.generate(prompts, 2, _greedy()).stats.prefix_cache_hit_tokens == 0
 
 
-def test_next_turn_prefills_only_its_new_tokens(model):
+@pytest.mark.parametrize("kv_tokens", [4096, 48])  # 48: the grown pool and the old one exceed the budget together
+def test_next_turn_prefills_only_its_new_tokens(model, kv_tokens):
     """A tool loop's turn k+1 = turn k's prompt + its completion + a tool result: with `keep_pool`, the completion's
-    blocks were cached when it finished, so only the tool result and the unaligned tail are prefilled."""
-    engine = _engine(model)
+    blocks were cached when it finished, so only the tool result and the unaligned tail are prefilled (the pool
+    grows for the longer turn with its cached blocks, through host memory under a tight budget)."""
+    engine = _engine(model, kv_cache_tokens=kv_tokens)
     prompt = _rand(9, 7)
     turn1 = engine.generate([prompt], 1, _greedy(), keep_pool=True)
     assert turn1.stats.cached_completion_blocks > 0

@@ -67,7 +67,7 @@ class KVCachePool:
     With `prefix_cache` on, the pool's allocator carries a `PrefixCache`: full blocks of earlier prompts (and
     completions) stay findable until their blocks are needed (`BlockAllocator`). The entries outlive a call only
     while the pool is kept (`kv_cache_release=False`, or the engine's `keep_pool`): a pool that must grow keeps
-    them when the old and the new tensors fit in the budget together (contents copied), else drops them."""
+    them (contents copied, through host memory where old and new tensors would not fit in the budget together)."""
 
     def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0,
                  allocate: bool = True):
@@ -111,8 +111,8 @@ class KVCachePool:
         large is reused (fresh accounting); otherwise it is allocated anew (zeroed)."""
         budget = self.budget_blocks()
         blocks = max(1, min(int(need_blocks), budget))
-        if self.allocated and self.num_blocks < blocks and self.prefix_cache and self.num_blocks + 1 + blocks <= budget:
-            self._grow(blocks)  # cached blocks kept: old and new tensors fit in the budget together
+        if self.allocated and self.num_blocks < blocks and self.prefix_cache:
+            self._grow(blocks, staged=self.num_blocks + 1 + blocks > budget)  # cached blocks kept
         elif not self.allocated or self.num_blocks < blocks:
             self.release()
             self._allocate(blocks)
@@ -127,13 +127,19 @@ class KVCachePool:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _grow(self, usable_blocks: int) -> None:
-        """Larger tensors holding the old blocks' contents at the same ids (the old null block becomes usable)."""
-        old_k, old_v, old_slots = self.k_caches, self.v_caches, self.num_blocks * self.block_size
-        allocator = self.allocator
+    def _grow(self, usable_blocks: int, staged: bool) -> None:
+        """Larger tensors holding the old blocks' contents at the same ids (the old null block becomes usable).
+        `staged`: old and new tensors would not fit in the budget together, so the old contents wait in host memory
+        while the pool is re-allocated."""
+        old = [*self.k_caches, *self.v_caches]
+        old_slots, allocator = self.num_blocks * self.block_size, self.allocator
+        if staged:
+            old = [t[:old_slots].cpu() for t in old]
+            self.k_caches, self.v_caches = [], []  # freed before the new pool is allocated
         self._allocate(usable_blocks)
-        for new, old in zip((*self.k_caches, *self.v_caches), (*old_k, *old_v)):
-            new[:old_slots] = old[:old_slots]
+        for new, saved in zip((*self.k_caches, *self.v_caches), old):
+            new[:old_slots] = saved[:old_slots].to(self.device)
+        del old
         self.allocator = allocator.grown(usable_blocks)
 
     def _allocate(self, usable_blocks: int) -> None:
