@@ -19,6 +19,7 @@ from ..engine.config import EngineConfig
 from ..engine.history import PromptHistory, remember_visits
 from ..engine.outputs import RolloutStats
 from ..engine.scheduling.predictors import LengthPredictor, build_predictor
+from ..engine.prefix_cache import PrefixCache
 from ..engine.sequence import Group, make_group
 from .traces import TraceRecord
 
@@ -163,14 +164,15 @@ def simulate(
     (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
     revisits prompts feeds later epochs the earlier ones)."""
     engine = config.engine
-    history = history if history is not None else PromptHistory.from_config(engine.history)
+    history = history if history is not None else PromptHistory(engine.history)
     predictor = predictor or build_predictor(engine.scheduling, history)
     out = SimResult()
     for chunk in _calls(records, config.prompts_per_call):
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
         blocks = max(1, min(pool_size(call_blocks(engine, groups, max_new)), _budget_blocks(engine, groups, max_new)))
-        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size), predictor)
+        cache = PrefixCache(engine.block_size) if engine.prefix_cache else None  # the engine's, within one call
+        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size, cache), predictor)
         executor = TraceExecutor(call.hidden_predictor, features,
                                  {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}, config.step_ms)
         stats = call.run(executor)

@@ -32,6 +32,7 @@ class Speculator:
     def __init__(self, config: EngineConfig, device: torch.device, history=None):
         self.engine_config = config
         self.config = config.speculative
+        self.adaptive = self.config.adaptive
         self.device = device
         self.cost = CostModel()
         self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
@@ -118,7 +119,7 @@ class SpeculativeStep:
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
-        ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.config.adaptive)
+        ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive)
         if not any(ks):
             return [EMPTY] * len(seqs)
         proposals = self.drafter.propose(seqs, ks)
