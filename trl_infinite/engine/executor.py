@@ -160,8 +160,8 @@ class ModelExecutor:
     def _prefill(self, batch: ScheduledBatch):
         """Prefill prompts and recomputes; the first token of every sample of each prefilled prompt that has none."""
         # a prompt's leading blocks found in the prefix cache are not run again (`Group.num_cached`)
-        segments = [Segment(g.prompt_len, g.prompt_blocks, [], g.num_cached, g.prompt_ids[g.num_cached:], g.group_id)
-                    for g in batch.prefill_groups]
+        segments = [Segment(g.prompt_len, g.prompt_blocks, [], g.num_cached, g.prompt_ids[g.num_cached:], g.group_id,
+                            g.cache_copies) for g in batch.prefill_groups]
         segments += [
             Segment(s.prompt_len, s.group.prompt_blocks, s.blocks, s.prompt_len, s.output_ids[:-1], s.group_id)
             for s in batch.recompute

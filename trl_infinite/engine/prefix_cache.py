@@ -9,6 +9,11 @@ its own blocks). A lookup never trusts the hash alone: a hit compares the block'
 the entry matched one block before (entries get serial numbers that are never reused), so a hash collision or a
 recycled block id is a miss, never a wrong hit.
 
+A prompt whose shared part ends inside a block (a 200-token header in 16-token blocks) also takes the first ids of
+that block from a cached block after the same prefix (`partial`): those slots are copied into its own block inside
+the prefill forward (each layer, right after writing the new keys and values, so the source may be computed in the
+same forward), not run through the model.
+
 Reference counts live in the `BlockAllocator`: a cached block nobody references is *evictable*: counted free, and
 given to a new owner (its entry dropped) least recently used first, only once no never-used block is left.
 
@@ -19,10 +24,12 @@ model's weights change (`fingerprint`).
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HashFn = Callable[[int, tuple[int, ...]], int]
+PARTIAL_SCAN = 64  # most recent children of a block scanned for a partial hit
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -47,6 +54,7 @@ class PrefixCache:
         self.hash_fn = hash_fn
         self._by_key: dict[int, int] = {}  # key -> block
         self._entries: dict[int, CacheEntry] = {}  # block -> its entry
+        self._children: dict[int, OrderedDict[int, None]] = {}  # parent serial -> its children's blocks, newest last
         self._serials = itertools.count(1)
         self.fingerprint: tuple | None = None  # what the cached KV was computed with (the engine's weights)
 
@@ -77,6 +85,27 @@ class PrefixCache:
             parent = entry.serial
         return out
 
+    def partial(self, ids: Sequence[int], parent_serial: int, limit: int) -> tuple[int, int] | None:
+        """(block, m): a cached block following the entry `parent_serial` whose first `m` ids equal `ids[:m]`, the
+        longest such `m <= limit` among its newest `PARTIAL_SCAN` children (None when no child shares a first id).
+        Its first `m` slots can be copied instead of prefilled (a prompt that leaves a shared header inside a
+        block)."""
+        children = self._children.get(parent_serial)
+        if not children or limit < 1:
+            return None
+        want, best = tuple(ids[:limit]), None
+        for k, block in enumerate(reversed(children)):
+            if k == PARTIAL_SCAN:
+                break
+            tokens, m = self._entries[block].tokens, 0
+            while m < len(want) and tokens[m] == want[m]:
+                m += 1
+            if m and (best is None or m > best[1]):
+                best = (block, m)
+                if m == len(want):
+                    break
+        return best
+
     def serial(self, block: int) -> int:
         return self._entries[block].serial
 
@@ -94,13 +123,19 @@ class PrefixCache:
         entry = CacheEntry(key, tokens, parent_serial, next(self._serials))
         self._by_key[key] = block
         self._entries[block] = entry
+        self._children.setdefault(parent_serial, OrderedDict())[block] = None
         return entry.serial
 
     def drop(self, block: int) -> None:
         """Forget `block`'s entry (it is given to a new owner)."""
         entry = self._entries.pop(block)
         del self._by_key[entry.key]
+        siblings = self._children[entry.parent_serial]
+        del siblings[block]
+        if not siblings:
+            del self._children[entry.parent_serial]
 
     def clear(self) -> None:
         self._by_key.clear()
         self._entries.clear()
+        self._children.clear()

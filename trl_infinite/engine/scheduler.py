@@ -55,6 +55,7 @@ class Scheduler:
         self.copy_slots = copy_slots
         self.cache_completions = cache_completions and allocator.cache is not None
         self._keys: dict[int, list[int]] = {}  # group_id -> chain keys of its prompt's full blocks
+        self._pinned: list[int] = []  # sources of this step's partial-hit copies, held until its forward ran
         self.block_size = allocator.block_size
         self.policy = policy
         self.admission = admission
@@ -197,16 +198,31 @@ class Scheduler:
     def _allocate_prompt(self, group: Group) -> None:
         """The prompt's blocks: its cache hits shared, the rest allocated and registered (their KV is computed by
         this step's prefill, before anything admitted later reads it)."""
-        hits = self._prompt_hits(group)
+        hits, bs = self._prompt_hits(group), self.block_size
         self.allocator.share(hits)  # first: the allocation below may evict unreferenced cached blocks
-        fresh = self.allocator.allocate(blocks_for(group.prompt_len, self.block_size) - len(hits))
+        count = blocks_for(group.prompt_len, bs) - len(hits)
+        parent = self.cache.serial(hits[-1]) if hits else 0
+        partial = None
+        if self.cache is not None:  # the next block's first ids, short of the prompt's last token
+            start = len(hits) * bs
+            partial = self.cache.partial(group.prompt_ids[start:], parent, min(bs, group.prompt_len - 1 - start))
+            if partial is not None and self.allocator.refs(partial[0]) == 0 and not self.allocator.can_allocate(count + 1):
+                partial = None  # pinning the source would take a block the prompt needs
+            if partial is not None:
+                self.allocator.share([partial[0]])  # pinned until the step's forward copied it (`postprocess`)
+                self._pinned.append(partial[0])
+        fresh = self.allocator.allocate(count)
         group.prompt_blocks = hits + fresh
-        group.num_cached = len(hits) * self.block_size
+        group.num_cached = len(hits) * bs
+        group.cache_copies = []
+        if partial is not None:
+            src, m = partial
+            group.cache_copies = [(src * bs + t, fresh[0] * bs + t) for t in range(m)]
+            group.num_cached += m
         if self.cache is None:
             return
         self.stats.prefix_cache_hit_tokens += group.num_cached
-        keys, bs = self._prompt_keys(group), self.block_size
-        parent = self.cache.serial(hits[-1]) if hits else 0
+        keys = self._prompt_keys(group)
         for i in range(len(hits), len(keys)):
             parent = self.cache.insert(group.prompt_blocks[i], keys[i], tuple(group.prompt_ids[i * bs:(i + 1) * bs]),
                                        parent)
@@ -351,6 +367,8 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> None:
         """Append the step's tokens through `Sequence.append_token` (the one stop rule), finish the samples that
         ended, roll back unused lookahead blocks, and return samples that reached their chunk to the queue."""
+        self.allocator.free(self._pinned)  # the step's forward made its partial-hit copies
+        self._pinned = []
         first_raw = out.first_raw_logprobs or [None] * len(out.first_tokens)
         for group, toks, lps, raws in zip(batch.prefill_groups, out.first_tokens, out.first_logprobs, first_raw):
             for k, (seq, t, lp) in enumerate(zip(group.pending_first(), toks, lps)):
