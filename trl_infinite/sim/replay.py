@@ -18,8 +18,8 @@ from ..engine.call import RolloutCall, call_blocks, sampling_mode
 from ..engine.config import EngineConfig
 from ..engine.history import PromptHistory, remember_visits
 from ..engine.outputs import RolloutStats
-from ..engine.scheduling.predictors import LengthPredictor, build_predictor
 from ..engine.prefix_cache import PrefixCache
+from ..engine.scheduling.predictors import LengthPredictor, build_predictor
 from ..engine.sequence import Group, make_group
 from .traces import TraceRecord
 
