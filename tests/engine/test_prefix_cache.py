@@ -155,3 +155,24 @@ def test_cache_dropped_after_a_weight_update():
     out = engine.generate(prompts, 1, _greedy())
     assert out.stats.prefix_cache_hit_tokens == 0
     assert out.completion_ids == _refs(model, prompts, None)
+
+
+def test_unreferenced_cached_blocks_are_evicted_lru_only_when_needed():
+    cache = PrefixCache(BLOCK)
+    alloc = BlockAllocator(4, BLOCK, cache)
+    ids = list(range(12))
+    keys = cache.keys(ids, 3)
+    blocks = alloc.allocate(3)
+    parent = 0
+    for i, b in enumerate(blocks):
+        parent = cache.insert(b, keys[i], tuple(ids[i * BLOCK:(i + 1) * BLOCK]), parent)
+    alloc.free([blocks[2]])
+    alloc.free([blocks[0]])
+    alloc.free([blocks[1]])  # evictable, least recent first: 2, 0, 1
+    assert alloc.num_free == 4 and alloc.num_used == 0 and alloc.num_evictable == 3 and len(cache) == 3
+    assert cache.match(ids, keys) == blocks
+    assert alloc.allocate(1) == [3]  # a never-cached block first: nothing evicted
+    alloc.share([blocks[2]])  # a hit takes it back (no longer evictable)
+    assert alloc.allocate(1) == [blocks[0]] and not cache.is_cached(blocks[0])  # then the least recently used
+    assert cache.match(ids, keys) == []  # the chain starts at the evicted block
+    assert not alloc.can_allocate(2) and alloc.can_allocate(1)
