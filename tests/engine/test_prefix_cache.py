@@ -83,19 +83,21 @@ def test_cache_across_calls_only_while_the_pool_is_kept(model):
 
 
 @pytest.mark.parametrize("kv_tokens", [4096, 48])  # 48: the grown pool and the old one exceed the budget together
-def test_next_turn_prefills_only_its_new_tokens(model, kv_tokens):
+@pytest.mark.parametrize("prompt_len", [8, 9, 10])  # the first turn ends on a block boundary, or inside a block
+def test_next_turn_prefills_only_its_new_tokens(model, kv_tokens, prompt_len):
     """A tool loop's turn k+1 = turn k's prompt + its completion + a tool result: with `keep_pool`, the completion's
-    blocks were cached when it finished, so only the tool result and the unaligned tail are prefilled (the pool
+    blocks (the last, partial one too) were cached when it finished, so only its last token and the tool result are
+    prefilled (the pool
     grows for the longer turn with its cached blocks, through host memory under a tight budget)."""
     engine = _engine(model, kv_cache_tokens=kv_tokens)
-    prompt = _rand(9, 7)
+    prompt = _rand(prompt_len, 7)
     turn1 = engine.generate([prompt], 1, _greedy(), keep_pool=True)
     assert turn1.stats.cached_completion_blocks > 0
     tool = _rand(5, 8)
     follow = prompt + turn1.completion_ids[0] + tool
     turn2 = engine.generate([follow], 1, _greedy(), keep_pool=True)
     assert turn2.completion_ids == [reference_greedy(model, follow, MAX_NEW, [])]
-    cached = (len(prompt) + MAX_NEW - 1) // BLOCK * BLOCK  # every full block whose KV the first turn wrote
+    cached = len(prompt) + MAX_NEW - 1  # every position whose KV the first turn wrote (its last partial block too)
     assert turn2.stats.prefix_cache_hit_tokens == cached
     assert turn2.stats.prefill_tokens == len(follow) - cached
     engine.release_pool()

@@ -9,7 +9,8 @@ its own blocks). A lookup never trusts the hash alone: a hit compares the block'
 the entry matched one block before (entries get serial numbers that are never reused), so a hash collision or a
 recycled block id is a miss, never a wrong hit.
 
-A prompt whose shared part ends inside a block (a 200-token header in 16-token blocks) also takes the first ids of
+A finished completion's last, partial block is registered too (its entry holds fewer than B ids, so only `partial`
+finds it). A prompt whose shared part ends inside a block (a 200-token header in 16-token blocks) also takes the first ids of
 that block from a cached block after the same prefix (`partial`): those slots are copied into its own block inside
 the prefill forward (each layer, right after writing the new keys and values, so the source may be computed in the
 same forward), not run through the model.
@@ -98,7 +99,7 @@ class PrefixCache:
             if k == PARTIAL_SCAN:
                 break
             tokens, m = self._entries[block].tokens, 0
-            while m < len(want) and tokens[m] == want[m]:
+            while m < len(want) and m < len(tokens) and tokens[m] == want[m]:
                 m += 1
             if m and (best is None or m > best[1]):
                 best = (block, m)

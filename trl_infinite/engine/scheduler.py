@@ -230,35 +230,56 @@ class Scheduler:
                 break
 
     def _cache_completion(self, seq: Sequence) -> None:
-        """Register the full blocks of `seq`'s prompt + completion past its prompt's full blocks (see the module
-        docstring): those whose every token's KV is written (all but the last output token's), after a cached
-        chain. Grid block `i` (positions `[i * B, (i + 1) * B)`) goes into the sample's own block `i - P // B`:
-        where the prompt ends inside a block the KV is shifted there (one gather / scatter, no new block: the
-        sample is finished, nothing reads its own blocks any more)."""
+        """Register `seq`'s prompt + completion past its prompt's full blocks (see the module docstring): the
+        positions whose KV is written (all but the last output token), after a cached chain; the full blocks, then
+        the last, partial one (found only by `PrefixCache.partial`: the next turn copies its ids' KV). Grid block
+        `i` (positions `[i * B, (i + 1) * B)`) goes into the sample's own block `i - P // B`: where the prompt ends
+        inside a block the KV is shifted there (one gather / scatter, no new block: the sample is finished, nothing
+        reads its own blocks any more)."""
         group, bs, cache = seq.group, self.block_size, self.cache
-        if not seq.blocks or not group.resident:
+        plen, written = group.prompt_len, seq.num_tokens - 1
+        if not seq.blocks or not group.resident or written <= plen:
             return
         ids = group.prompt_ids + seq.output_ids
-        full, first = (seq.num_tokens - 1) // bs, group.prompt_len // bs
-        if full <= first:
-            return
+        full, first = written // bs, plen // bs
         keys = cache.keys(ids, full)
         held = cache.match(ids, keys)
         start = len(held)
-        if start < first or start == full:  # the prompt's chain is not cached, or all of it already is
+        if start < first:  # the prompt's chain is not cached
             return
-        if group.prompt_len % bs:
-            if self.copy_slots is None:
-                return
-            src = [self._slot(seq, p) for p in range(start * bs, full * bs)]
-            dst = [seq.blocks[i - first] * bs + t for i in range(start, full) for t in range(bs)]
-            self.copy_slots(src, dst)
-        parent = cache.serial(held[-1]) if held else 0
-        for i in range(start, full):
-            parent = cache.insert(seq.blocks[i - first], keys[i], tuple(ids[i * bs:(i + 1) * bs]), parent)
-            if parent is None:
-                return
-            self.stats.cached_completion_blocks += 1
+        end = written if plen % bs == 0 or self.copy_slots is not None else full * bs
+        if start * bs >= end:
+            return
+        self.allocator.share(held)  # pinned while a block is taken for the shifted tail
+        pinned, blocks = list(held), list(seq.blocks)
+        try:
+            if end > full * bs and full - first == len(blocks):  # the shift carries the tail past the own blocks
+                if plen % bs and group.num_finished == group.num_generations - 1:
+                    # the group's last sample: the prompt's partial block is no one else's and is freed with it
+                    blocks.append(group.prompt_blocks[first])
+                    self.allocator.share(blocks[-1:])
+                    pinned.append(blocks[-1])
+                elif not self.allocator.can_allocate(1):
+                    end = full * bs
+                else:
+                    blocks += self.allocator.allocate(1)  # free or evictable anyway: the room does not shrink
+                    pinned.append(blocks[-1])
+            if plen % bs and start * bs < end:
+                src = [self._slot(seq, p) for p in range(start * bs, end)]
+                self.copy_slots(src, [blocks[p // bs - first] * bs + p % bs for p in range(start * bs, end)])
+            parent = cache.serial(held[-1]) if held else 0
+            for i in range(start, full):
+                parent = cache.insert(blocks[i - first], keys[i], tuple(ids[i * bs:(i + 1) * bs]), parent)
+                if parent is None:
+                    return
+                self.stats.cached_completion_blocks += 1
+            if end > full * bs:
+                tokens = tuple(ids[full * bs:end])
+                if cache.insert(blocks[full - first], cache.hash_fn(keys[-1] if full else 0, tokens), tokens,
+                                parent) is not None:
+                    self.stats.cached_completion_blocks += 1
+        finally:
+            self.allocator.free(pinned)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         """Pool slot holding position `pos` of `seq` (prompt blocks, then its own blocks from the prompt's end)."""
