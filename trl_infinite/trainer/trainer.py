@@ -130,9 +130,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: list):
         """TRL's `_generate` (first turn, tool loop or `environment_factory` turns, or the user's `rollout_func`),
-        one rollout: every engine call in it keeps the KV pool and its prefix cache for the next (a turn prefills
-        only the tokens it adds to the conversation, a shared system prompt is prefilled once); released at the end
-        as `rollout_kv_cache_release` says. The cache never outlives a weight update (the engine checks)."""
+        one rollout: with tools, environments or a `rollout_func`, every engine call in it keeps the KV pool, its
+        prefix cache and its finished completions for the next (a turn prefills only the tokens it adds to the
+        conversation); released at the end as `rollout_kv_cache_release` says. The cache never outlives a weight
+        update (the engine checks)."""
         self._batch_prompts = prompts
         self._rollout_turn = 0
         try:
@@ -176,7 +177,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                                                   logprobs_temperature=self.temperature)
                 engine = self._get_engine(model)
                 completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished,
-                                                             keep_pool=self._rollout_turn is not None)
+                                                             keep_pool=self._multi_turn)
         except UnsupportedModelError as err:  # the full support contract failed: TRL's own (exact) generation
             self._stream_slot.close()  # nothing was generated: TRL's path scores the batch after generation
             self.engine_fallback_reasons.append(str(err))
@@ -188,17 +189,23 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if stream is not None:
             stream.flush()
         mode = "train" if self.model.training else "eval"
-        multi_turn = (bool(self.tools) or self.rollout_func is not None
-                      or getattr(self, "environment_factories", None) is not None)
         for s in stats:
             metrics = rollout_metrics(s)
-            if multi_turn and self._rollout_turn is not None:
+            if self._multi_turn:
                 metrics.update(turn_metrics(s, self._rollout_turn))
             for key, value in metrics.items():
                 self._metrics[mode][key].append(value)
         if self._rollout_turn is not None:
             self._rollout_turn += 1
         return completions, logprobs
+
+    @property
+    def _multi_turn(self) -> bool:
+        """Inside a rollout that may call the engine again with conversations continuing this call's (TRL's tool
+        loop, `environment_factory`, a `rollout_func`): the engine keeps its pool and caches the completions."""
+        return self._rollout_turn is not None and (
+            bool(self.tools) or self.rollout_func is not None
+            or getattr(self, "environment_factories", None) is not None)
 
     def _rollout_seed(self) -> int:
         """The engine's seed for this rollout, from checkpointed state (`rollout.RolloutKey`): a run resumed from a
