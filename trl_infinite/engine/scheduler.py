@@ -195,9 +195,10 @@ class Scheduler:
         hits = self._prompt_hits(group)
         return blocks_for(group.prompt_len, self.block_size) - sum(1 for b in hits if self.allocator.refs(b) > 0)
 
-    def _allocate_prompt(self, group: Group) -> None:
+    def _allocate_prompt(self, group: Group, reserve: int) -> None:
         """The prompt's blocks: its cache hits shared, the rest allocated and registered (their KV is computed by
-        this step's prefill, before anything admitted later reads it)."""
+        this step's prefill, before anything admitted later reads it). `reserve`: blocks the caller allocates next
+        (a partial hit's source is pinned only if that leaves them free)."""
         hits, bs = self._prompt_hits(group), self.block_size
         self.allocator.share(hits)  # first: the allocation below may evict unreferenced cached blocks
         count = blocks_for(group.prompt_len, bs) - len(hits)
@@ -206,7 +207,8 @@ class Scheduler:
         if self.cache is not None:  # the next block's first ids, short of the prompt's last token
             start = len(hits) * bs
             partial = self.cache.partial(group.prompt_ids[start:], parent, min(bs, group.prompt_len - 1 - start))
-            if partial is not None and self.allocator.refs(partial[0]) == 0 and not self.allocator.can_allocate(count + 1):
+            if (partial is not None and self.allocator.refs(partial[0]) == 0
+                    and not self.allocator.can_allocate(count + 1 + reserve)):
                 partial = None  # pinning the source would take a block the prompt needs
             if partial is not None:
                 self.allocator.share([partial[0]])  # pinned until the step's forward copied it (`postprocess`)
@@ -292,7 +294,7 @@ class Scheduler:
     def _start(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> None:
         group = seq.group
         if not group.resident:
-            self._allocate_prompt(group)
+            self._allocate_prompt(group, max(0, self._own_blocks_needed(seq, lookahead) - len(seq.blocks)))
             batch.prefill_groups.append(group)
         resumed = self._resume_kv(seq, batch, lookahead)
         if not resumed:
