@@ -155,13 +155,12 @@ class Scheduler:
             if limit is not None and len(self.running) >= limit:
                 break
             group = seq.group
-            need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
-            need += 0 if group.resident else self._prompt_need(group)
-            need += self.mode.headroom(len(self.running))
+            need = self._admit_need(seq, lookahead)
             view.free_blocks = self.allocator.num_free
             if not self.running and not self.allocator.can_allocate(need):
                 self._evict_idle_except(group)  # nothing runs: idle prompts must make way for progress
-                while not self.allocator.can_allocate(need) and self._offload_one(keep=seq):
+                while not self.allocator.can_allocate(need := self._admit_need(seq, lookahead)) and \
+                        self._offload_one(keep=seq):
                     pass  # ... and so must parked samples' KV
                 view.free_blocks = self.allocator.num_free
             allowed = self.running == [] or self.admission.fits(seq, need, view)
@@ -170,6 +169,12 @@ class Scheduler:
                     break
                 continue
             self._start(seq, batch, lookahead)
+
+    def _admit_need(self, seq: Sequence, lookahead: int) -> int:
+        """Free blocks admitting `seq` takes (its prompt's count changes as evictions unpin its cache hits)."""
+        need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
+        need += 0 if seq.group.resident else self._prompt_need(seq.group)
+        return need + self.mode.headroom(len(self.running))
 
     def _evict_idle_except(self, keep: Group) -> bool:
         idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
