@@ -140,8 +140,9 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             return super()._generate(prompts)
         finally:
             self._rollout_turn = None
-            if self._engine is not None:
-                self._engine.release_pool()
+            engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
+            if engine is not None:
+                engine.release_pool()
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Engine rollout for rows that hold each prompt `num_generations` times in a row (TRL's layout); the tool
@@ -203,7 +204,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
     def _multi_turn(self) -> bool:
         """Inside a rollout that may call the engine again with conversations continuing this call's (TRL's tool
         loop, `environment_factory`, a `rollout_func`): the engine keeps its pool and caches the completions."""
-        return self._rollout_turn is not None and (
+        return getattr(self, "_rollout_turn", None) is not None and (
             bool(self.tools) or self.rollout_func is not None
             or getattr(self, "environment_factories", None) is not None)
 
