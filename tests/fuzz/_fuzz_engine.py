@@ -115,6 +115,7 @@ def engine_settings(draw, allow_compile: bool) -> dict:
         chunk_tokens=draw(st.one_of(st.none(), st.integers(1, 8))),
         cpu_decode_kernel=draw(st.booleans()),
         kv_cache_release=draw(st.booleans()),
+        prefix_cache=draw(st.booleans()),
         history_max_prompts=draw(st.sampled_from([0, 2, 4096])),
         history_max_visits=draw(st.integers(1, 3)),
         history_max_tokens=draw(st.sampled_from([0, 50, 2_000_000])),

@@ -11,6 +11,10 @@
    tokens still agree (the rows attended to stale prompt blocks), then as different sampled tokens.
 4. An interrupted call (an exception from its first decode step) left its KV blocks held until the next call
    (speculation off, `fuzz-ci` profile).
+5. The prefix cache ran the pool out (issue 28, whole suite): in a minimal pool a prompt pinned a cached completion
+   block as the source of a partial hit, taking the block its sample's first own block needed.
+6. The same (issue 28, `fuzz-ci`): a parked sample's prompt counted its cache hits as shared blocks before the idle
+   prompts holding them were evicted, which left them unreferenced: the admission needed more blocks than counted.
 """
 
 from __future__ import annotations
@@ -51,3 +55,16 @@ def test_one_token_chunks_keep_log_probs_and_tokens():
 def test_an_interrupted_call_holds_no_block():
     sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
     run_case(Case("qwen3", BASE, 0, [Call([[0]], 1, sampling, fault_at=1)]))
+
+
+def test_a_partial_prefix_hit_never_takes_a_needed_block():
+    config = {**BASE, "block_size": 2, "kv_cache_release": False, "prefix_cache": True}
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.7, seed=0, generation_kwargs={"no_repeat_ngram_size": 2})
+    run_case(Case("qwen3", config, 0, [Call([[0], [0, 0]], 1, sampling)]))
+
+
+def test_evicting_idle_prompts_recounts_a_prompts_cache_hits():
+    config = {**BASE, "scheduler": "sjf", "length_predictor": "prefix", "kv_cache_release": False,
+              "prefix_cache": True}
+    sampling = SamplingParams(max_new_tokens=3, temperature=0.7, seed=0, generation_kwargs={"no_repeat_ngram_size": 2})
+    run_case(Case("qwen3", config, 0, [Call([[0, 0], [0], [0, 0]], 1, sampling)]))

@@ -122,3 +122,55 @@ def test_rollout_func_can_use_the_engine(tmp_path):
     trainer.train()
     assert seen == [4] and "rollout/decode_steps" in trainer.state.log_history[0]
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def _tool_run(tmp_path, prefix_cache: bool):
+    tokenizer = byte_tokenizer(qwen3_chat_template)
+
+    def multiply(a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a * b
+
+    turns = []
+    original = InfiniteGRPOTrainer._generate_single_turn
+
+    def recording(self, prompt_ids, *args, **kwargs):
+        out = original(self, prompt_ids, *args, **kwargs)
+        turns.append(([list(p) for p in prompt_ids], [list(c) for c in out[0]]))
+        return out
+
+    args = cpu_args(tmp_path, max_completion_length=160, per_device_train_batch_size=2, num_generations=2,
+                    rollout_max_active_sequences=2, rollout_prefix_cache=prefix_cache, rollout_block_size=8)
+    trainer = InfiniteGRPOTrainer(
+        model=tiny_model("qwen3", vocab_size=len(tokenizer), max_position_embeddings=2048).train(),
+        reward_funcs=token_sum_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": [QUESTION] * 4}), processing_class=tokenizer, tools=[multiply],
+    )
+    script_tool_call(trainer, tokenizer)
+    trainer._generate_single_turn = recording.__get__(trainer)
+    trainer.train()
+    return turns, trainer.state.log_history[0]
+
+
+def test_tool_turns_prefill_only_new_tokens_with_the_prefix_cache(tmp_path):
+    """The second turn (prompt + tool call + tool result) finds the first turn's prompt and completion in the
+    prefix cache: it prefills only the tool result and the first turn's last token per row, with TRL's outputs
+    unchanged."""
+    on_turns, on = _tool_run(tmp_path / "on", True)
+    off_turns, off = _tool_run(tmp_path / "off", False)
+    assert on_turns == off_turns and len(on_turns) == 2
+    (first_prompts, first_completions), (second_prompts, _) = on_turns
+    for turn in (0, 1):
+        assert on[f"rollout/turn_{turn}/prefill_tokens"] + on[f"rollout/turn_{turn}/prefix_cache_hit_tokens"] == \
+            off[f"rollout/turn_{turn}/prefill_tokens"]
+    new = [len(p) - len(first_prompts[i]) - len(first_completions[i]) for i, p in enumerate(second_prompts)]
+    assert on["rollout/turn_1/prefix_cache_hit_tokens"] > 0
+    # each row: its tool result (and template tokens) plus the first turn's last token (no KV written), at most
+    assert on["rollout/turn_1/prefill_tokens"] <= sum(n + 1 for n in new)
+    assert off["rollout/turn_1/prefill_tokens"] == sum(len(p) for p in second_prompts)

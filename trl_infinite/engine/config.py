@@ -311,6 +311,14 @@ class EngineConfig(Section):
                                                             f"{_SPEC}draft_model.py", "sim/replay.py"))
     max_prefill_tokens: int = setting(
         4096, "Most prompt/recompute tokens run through the model in one prefill forward.", ("engine/engine.py",))
+    prefix_cache: bool = setting(
+        True, "Automatic prefix caching: full KV blocks are found again by the token ids they hold and all before "
+        "them (a hash chain, ids compared on every hit) and shared copy-free: a system prompt or few-shot header "
+        "shared by the prompts of a call, the earlier turns of a tool loop, a prompt seen by an earlier call, are "
+        "prefilled once. Unreferenced cached blocks are evicted least recently used first when the pool needs "
+        "room; every entry is dropped when the weights change. Entries outlive a call only while the pool is kept "
+        "(`kv_cache_release=False`, or within one trainer rollout). Lossless.",
+        ("engine/kv_pool.py", "sim/replay.py"))
     kv_cache: KVCacheConfig = section(KVCacheConfig)
     decode: DecodeConfig = section(DecodeConfig)
     scheduling: SchedulingConfig = section(SchedulingConfig)

@@ -133,6 +133,7 @@ class RolloutEngine:
         forced_lengths: list[list[int]] | None = None,
         on_sample_finished: FinishCallback | None = None,
         on_decode_step: StepTimer | None = None,
+        keep_pool: bool = False,
     ) -> RolloutResult:
         """G completions per prompt, prompt-major. `forced_lengths[i][j]` (benchmarks) fixes sample j of prompt i
         to exactly that many tokens, EOS ignored. `on_sample_finished(prompt_idx, sample_idx, completion_ids)` is
@@ -149,14 +150,32 @@ class RolloutEngine:
 
         One call per model at a time (`model_guard`): a call from another thread waits for the running one; a call
         from inside a running one (a callback) raises `RuntimeError`. Logits that are not finite raise
-        `NonFiniteLogitsError` naming the step and the sample."""
+        `NonFiniteLogitsError` naming the step and the sample.
+
+        `keep_pool=True`: keep the KV pool, and the prefix cache in it, after this call even under
+        `kv_cache_release=True`, because a related call follows (the next turn of a tool loop, the next batch of one
+        rollout): each finished sample's completion is cached too, so a next turn that continues it prefills only
+        its new tokens. The caller ends such a run with `release_pool()`. The cache is dropped whenever the model's
+        weights change between calls."""
         sampling = sampling or SamplingParams()
         self._check_autocast()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
         with model_guard(self.model), torch.inference_mode(), eval_mode(self.model):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
-                                  on_decode_step)
+                                  on_decode_step, keep_pool)
+
+    def release_pool(self) -> None:
+        """End of a run of `keep_pool=True` calls: release the pool (and its cached prefixes) as `kv_cache_release`
+        asks; with `kv_cache_release=False` the pool is kept (and so is the cache, while the weights are unchanged)."""
+        if self.config.kv_cache.release:
+            self.pool.release()
+
+    def _weights_fingerprint(self) -> tuple:
+        """Identity and in-place version of every parameter and buffer: an optimizer step, a weight load or a moved
+        tensor changes it (the prefix cache's KV was computed with the weights of one fingerprint)."""
+        return tuple((t.data_ptr(), 0 if t.is_inference() else t._version)
+                     for t in (*self.model.parameters(), *self.model.buffers()))
 
     def _generate(
         self,
@@ -167,6 +186,7 @@ class RolloutEngine:
         forced_lengths: list[list[int]] | None,
         on_sample_finished: FinishCallback | None,
         on_decode_step: StepTimer | None = None,
+        keep_pool: bool = False,
     ) -> RolloutResult:
         """The body of `generate` on validated inputs, with the model in eval mode, in inference mode (no autograd
         bookkeeping: several percent of a host-bound step)."""
@@ -174,32 +194,43 @@ class RolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         groups = self._make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths)
+        keep = keep_pool or not self.config.kv_cache.release
         try:
+            cache = self.pool.prefix_cache
+            if cache is not None:
+                fingerprint = self._weights_fingerprint()
+                if fingerprint != cache.fingerprint:  # new weights: no cached KV is valid
+                    self.pool.drop_cache()
+                    cache.fingerprint = fingerprint
             self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self._lookahead_cap())))
-            return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step)
+            return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep)
         finally:
-            if self.config.kv_cache.release:
+            if not keep:
                 self.pool.release()
 
-    def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step) -> RolloutResult:
-        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor)
+    def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step,
+                  keep: bool) -> RolloutResult:
+        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, self.pool.copy_slots,
+                                 cache_completions=keep)
         stats = call.stats
         executor = self._executor(call, sampling, groups, max_new)
         finished = None
         if on_sample_finished is not None:
             def finished(seq: Sequence) -> None:
                 on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
+        ended = False
         try:
             call.run(executor, on_finished=finished, on_decode_step=on_decode_step)
             if self.pool.allocator.num_used:  # every sample finished: each block must have been given back
                 raise RuntimeError(f"{self.pool.allocator.num_used} KV blocks still held after every sample "
                                    "finished (scheduler bug).")
+            ended = True
         except NonFiniteLogitsError:
             self.pool.zero()  # NaN K/V left in blocks would leak into later calls through masked reads (0 * NaN)
             raise
         finally:  # also on error / KeyboardInterrupt: nothing of this call stays held until the next one
             self.decoder.end()
-            self.pool.reset()
+            self.pool.reset(keep_cache=ended)  # an interrupted call's registered blocks may never have been written
             self.predictor.end_call()
         self._fill_stats(stats, start)
         remember_visits(self.history, groups)

@@ -2,7 +2,8 @@
 
 Per `ScheduledBatch`:
 1. divided rollout's host tier: KV of parked samples copied out, returning samples' KV copied back in;
-2. prefill of the batch's prompts and recomputes (eager, chunked to `max_prefill_tokens`); the last position of
+2. prefill of the batch's prompts (past their prefix-cache hits) and recomputes (eager, chunked to
+   `max_prefill_tokens`); the last position of
    each prompt gives the first token of every one of its samples that has none (all G at once);
 3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, the
    speculative step (drafts + one verification forward) when speculation is on, or an eager forward when the
@@ -158,7 +159,9 @@ class ModelExecutor:
 
     def _prefill(self, batch: ScheduledBatch):
         """Prefill prompts and recomputes; the first token of every sample of each prefilled prompt that has none."""
-        segments = [Segment(g.prompt_len, g.prompt_blocks, [], 0, g.prompt_ids, g.group_id) for g in batch.prefill_groups]
+        # a prompt's leading blocks found in the prefix cache are not run again (`Group.num_cached`)
+        segments = [Segment(g.prompt_len, g.prompt_blocks, [], g.num_cached, g.prompt_ids[g.num_cached:], g.group_id,
+                            g.cache_copies) for g in batch.prefill_groups]
         segments += [
             Segment(s.prompt_len, s.group.prompt_blocks, s.blocks, s.prompt_len, s.output_ids[:-1], s.group_id)
             for s in batch.recompute

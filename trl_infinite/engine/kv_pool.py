@@ -8,6 +8,7 @@ import torch
 
 from .block_manager import BlockAllocator
 from .config import EngineConfig
+from .prefix_cache import PrefixCache
 
 GB = 1e9
 
@@ -61,7 +62,12 @@ class KVCachePool:
 
     The budget (`EngineConfig.kv_cache`: `kv_cache_tokens` / `kv_cache_gb` / `kv_cache_fraction`) bounds the pool; the engine
     sizes it for each call from what the call can use (`open`) and gives the memory back after it (`release`), so
-    a training step running between two rollouts has that memory."""
+    a training step running between two rollouts has that memory.
+
+    With `prefix_cache` on, the pool's allocator carries a `PrefixCache`: full blocks of earlier prompts (and
+    completions) stay findable until their blocks are needed (`BlockAllocator`). The entries outlive a call only
+    while the pool is kept (`kv_cache_release=False`, or the engine's `keep_pool`): a pool that must grow keeps
+    them (contents copied, through host memory where old and new tensors would not fit in the budget together)."""
 
     def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0,
                  allocate: bool = True):
@@ -78,6 +84,7 @@ class KVCachePool:
         self.v_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.null_block = 0
+        self.prefix_cache = PrefixCache(self.block_size) if config.prefix_cache else None
         self.allocator = BlockAllocator(1, self.block_size)  # replaced when the pool is sized
         if allocate:
             self._allocate(self.budget_blocks())
@@ -102,17 +109,38 @@ class KVCachePool:
     def open(self, need_blocks: int) -> None:
         """Size the pool for one call: `min(need_blocks, budget)` usable blocks, all free. A held pool at least that
         large is reused (fresh accounting); otherwise it is allocated anew (zeroed)."""
-        blocks = max(1, min(int(need_blocks), self.budget_blocks()))
-        if not self.allocated or self.num_blocks < blocks:
+        budget = self.budget_blocks()
+        blocks = max(1, min(int(need_blocks), budget))
+        if self.allocated and self.num_blocks < blocks and self.prefix_cache:
+            self._grow(blocks, staged=self.num_blocks + 1 + blocks > budget)  # cached blocks kept
+        elif not self.allocated or self.num_blocks < blocks:
             self.release()
             self._allocate(blocks)
         self.reset()
 
     def release(self) -> None:
-        """Free the K and V tensors (the memory goes back to the allocator, e.g. for the training step)."""
+        """Free the K and V tensors (the memory goes back to the allocator, e.g. for the training step); every
+        cached prefix goes with them."""
         self.k_caches, self.v_caches = [], []
         self.num_blocks = 0
         self.allocator = BlockAllocator(1, self.block_size)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def _grow(self, usable_blocks: int, staged: bool) -> None:
+        """Larger tensors holding the old blocks' contents at the same ids (the old null block becomes usable).
+        `staged`: old and new tensors would not fit in the budget together, so the old contents wait in host memory
+        while the pool is re-allocated."""
+        old = [*self.k_caches, *self.v_caches]
+        old_slots, allocator = self.num_blocks * self.block_size, self.allocator
+        if staged:
+            old = [t[:old_slots].cpu() for t in old]
+            self.k_caches, self.v_caches = [], []  # freed before the new pool is allocated
+        self._allocate(usable_blocks)
+        for new, saved in zip((*self.k_caches, *self.v_caches), old):
+            new[:old_slots] = saved[:old_slots].to(self.device)
+        del old
+        self.allocator = allocator.grown(usable_blocks)
 
     def _allocate(self, usable_blocks: int) -> None:
         self.num_blocks = usable_blocks
@@ -121,7 +149,7 @@ class KVCachePool:
         lay, dtype, device = self.layout, self.dtype, self.device
         self.k_caches = [torch.zeros(slots, h, d, dtype=dtype, device=device) for h, d in zip(lay.num_kv_heads, lay.k_dims)]
         self.v_caches = [torch.zeros(slots, h, d, dtype=dtype, device=device) for h, d in zip(lay.num_kv_heads, lay.v_dims)]
-        self.allocator = BlockAllocator(usable_blocks, self.block_size)
+        self.allocator = BlockAllocator(usable_blocks, self.block_size, self.prefix_cache)
 
     @property
     def block_bytes(self) -> int:
@@ -149,11 +177,33 @@ class KVCachePool:
             )
         return n
 
-    def reset(self) -> None:
-        self.allocator = BlockAllocator(self.num_blocks, self.block_size)
+    def reset(self, keep_cache: bool = True) -> None:
+        """Every block unreferenced, for a new call. Cached blocks stay findable when `keep_cache` and nothing is
+        referenced (a call that ended normally); otherwise the cache is dropped."""
+        if keep_cache and self.prefix_cache is not None and self.allocator.num_used == 0 and self.allocated:
+            self.allocator.reset_counters()
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.prefix_cache)
+
+    def drop_cache(self) -> None:
+        """Forget every cached prefix (the weights changed)."""
+        self.allocator.drop_cache()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def copy_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Write the K/V of pool slots `src_slots` into `dst_slots`, every layer (all sources read before any write:
+        they may overlap; a finished completion shifted onto the prefix cache's block grid)."""
+        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        for t in (*self.k_caches, *self.v_caches):
+            t[dst] = t[src]
 
     def zero(self) -> None:
-        """Zero every cached key and value (after a call whose values were not finite)."""
+        """Zero every cached key and value (after a call whose values were not finite); no prefix stays cached."""
+        self.drop_cache()
         for t in (*self.k_caches, *self.v_caches):
             t.zero_()
 

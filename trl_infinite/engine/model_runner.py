@@ -123,8 +123,9 @@ def chunk_segments(segments: list[Segment], max_tokens: int) -> list[list[Segmen
                 batches.append([])
                 used, room = 0, max_tokens
             piece = seg.tokens[start : start + room]
-            batches[-1].append(
-                Segment(seg.prompt_len, seg.prefix_blocks, seg.suffix_blocks, seg.start_pos + start, piece, seg.group_index)
+            batches[-1].append(  # the copies run with the first piece (they fill context before the segment)
+                Segment(seg.prompt_len, seg.prefix_blocks, seg.suffix_blocks, seg.start_pos + start, piece,
+                        seg.group_index, seg.copies if start == 0 else [])
             )
             used += len(piece)
             start += len(piece)

@@ -15,6 +15,8 @@ class RolloutStats:
 
     decode_steps: int = 0  # model forward passes in the decode phase (verification passes included)
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV was found in the prefix cache (not prefilled)
+    cached_completion_blocks: int = 0  # completion blocks registered in the prefix cache (for a next turn)
     prefill_steps: int = 0
     generated_tokens: int = 0
     num_samples: int = 0

@@ -8,9 +8,19 @@ sample of the group), then one or more tokens per decode row; samples finish and
 
 A prompt's blocks are allocated when its first sample is admitted and stay resident until all G samples of the
 group finished; a sample owns only the blocks of its own completion tokens.
+
+With a prefix cache (`prefix_cache.py`, carried by the allocator), a prompt's leading full blocks found in the cache
+are shared instead of allocated and only the rest is prefilled (at least its last token, whose logits give the first
+tokens); its new full blocks are registered at once, so a prompt admitted later in the same step reads them (the
+prefill runs the step's prompts in admission order, each layer writing every new token's KV before attending). With
+`cache_completions`, a finished sample's full blocks past its prompt are registered too (its own blocks, its KV
+shifted onto the cache's block grid through `copy_slots` where the prompt ends inside a block), so the next turn of a
+tool loop prefills only what follows them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from .batch import INVALID_TOKEN, NonFiniteLogitsError, ScheduledBatch, StepOutput
 from .block_manager import BlockAllocator, blocks_for
@@ -34,8 +44,18 @@ class Scheduler:
         mode: SamplingMode,
         chunk_tokens: int | None,
         stats: RolloutStats,
+        copy_slots: Callable[[list[int], list[int]], None] | None = None,
+        cache_completions: bool = False,
     ):
+        """`copy_slots(src, dst)`: copies the KV of pool slots `src` into slots `dst` (the engine's pool; None:
+        completions are cached only where their blocks lie on the cache's grid). `cache_completions`: register finished samples'
+        completion blocks in the prefix cache (useful when a later call continues the conversation)."""
         self.allocator = allocator
+        self.cache = allocator.cache
+        self.copy_slots = copy_slots
+        self.cache_completions = cache_completions and allocator.cache is not None
+        self._keys: dict[int, list[int]] = {}  # group_id -> chain keys of its prompt's full blocks
+        self._pinned: list[int] = []  # sources of this step's partial-hit copies, held until its forward ran
         self.block_size = allocator.block_size
         self.policy = policy
         self.admission = admission
@@ -135,14 +155,13 @@ class Scheduler:
             if limit is not None and len(self.running) >= limit:
                 break
             group = seq.group
-            need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
-            need += 0 if group.resident else blocks_for(group.prompt_len, self.block_size)
-            need += self.mode.headroom(len(self.running))
+            need = self._admit_need(seq, lookahead)
             view.free_blocks = self.allocator.num_free
             if not self.running and not self.allocator.can_allocate(need):
                 for idle in self._idle_prompts(keep=group):  # nothing runs: idle prompts make way for progress
                     self._evict_prompt(idle)
-                while not self.allocator.can_allocate(need) and self._offload_one(keep=seq):
+                while not self.allocator.can_allocate(need := self._admit_need(seq, lookahead)) and \
+                        self._offload_one(keep=seq):
                     pass  # ... and so must parked samples' KV
                 view.free_blocks = self.allocator.num_free
             allowed = self.running == [] or self.admission.fits(seq, need, view)
@@ -152,14 +171,134 @@ class Scheduler:
                 continue
             self._start(seq, batch, lookahead)
 
+    def _admit_need(self, seq: Sequence, lookahead: int) -> int:
+        """Free blocks admitting `seq` takes (its prompt's count changes as evictions unpin its cache hits)."""
+        need = self._own_blocks_needed(seq, lookahead) - len(seq.blocks)
+        need += 0 if seq.group.resident else self._prompt_need(seq.group)
+        return need + self.mode.headroom(len(self.running))
+
     def _idle_prompts(self, keep: Group | None = None) -> list[Group]:
         """Prompts whose blocks are resident while none of their samples runs (and some still will)."""
         return [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
 
+    # ------------------------------------------------------------------ prefix cache
+    def _prompt_keys(self, group: Group) -> list[int]:
+        keys = self._keys.get(group.group_id)
+        if keys is None:
+            keys = self._keys[group.group_id] = self.cache.keys(group.prompt_ids, group.prompt_len // self.block_size)
+        return keys
+
+    def _prompt_hits(self, group: Group) -> list[int]:
+        """Cached blocks for the prompt's leading full blocks, short of its last token (prefilled for its logits)."""
+        if self.cache is None:
+            return []
+        return self.cache.match(group.prompt_ids, self._prompt_keys(group)[: (group.prompt_len - 1) // self.block_size])
+
+    def _prompt_need(self, group: Group) -> int:
+        """Blocks that making the prompt resident takes from the free count (hits on blocks in use take none)."""
+        hits = self._prompt_hits(group)
+        return blocks_for(group.prompt_len, self.block_size) - sum(1 for b in hits if self.allocator.refs(b) > 0)
+
+    def _allocate_prompt(self, group: Group, reserve: int) -> None:
+        """The prompt's blocks: its cache hits shared, the rest allocated and registered (their KV is computed by
+        this step's prefill, before anything admitted later reads it). `reserve`: blocks the caller allocates next
+        (a partial hit's source is pinned only if that leaves them free)."""
+        hits, bs = self._prompt_hits(group), self.block_size
+        self.allocator.share(hits)  # first: the allocation below may evict unreferenced cached blocks
+        count = blocks_for(group.prompt_len, bs) - len(hits)
+        parent = self.cache.serial(hits[-1]) if hits else 0
+        partial = None
+        if self.cache is not None:  # the next block's first ids, short of the prompt's last token
+            start = len(hits) * bs
+            partial = self.cache.partial(group.prompt_ids[start:], parent, min(bs, group.prompt_len - 1 - start))
+            if (partial is not None and self.allocator.refs(partial[0]) == 0
+                    and not self.allocator.can_allocate(count + 1 + reserve)):
+                partial = None  # pinning the source would take a block the prompt needs
+            if partial is not None:
+                self.allocator.share([partial[0]])  # pinned until the step's forward copied it (`postprocess`)
+                self._pinned.append(partial[0])
+        fresh = self.allocator.allocate(count)
+        group.prompt_blocks = hits + fresh
+        group.num_cached = len(hits) * bs
+        group.cache_copies = []
+        if partial is not None:
+            src, m = partial
+            group.cache_copies = [(src * bs + t, fresh[0] * bs + t) for t in range(m)]
+            group.num_cached += m
+        if self.cache is None:
+            return
+        self.stats.prefix_cache_hit_tokens += group.num_cached
+        keys = self._prompt_keys(group)
+        for i in range(len(hits), len(keys)):
+            parent = self.cache.insert(group.prompt_blocks[i], keys[i], tuple(group.prompt_ids[i * bs:(i + 1) * bs]),
+                                       parent)
+            if parent is None:  # its key is another prefix's (a hash collision): the rest stays uncached
+                break
+
+    def _cache_completion(self, seq: Sequence) -> None:
+        """Register `seq`'s prompt + completion past its prompt's full blocks (see the module docstring): the
+        positions whose KV is written (all but the last output token), after a cached chain; the full blocks, then
+        the last, partial one (found only by `PrefixCache.partial`: the next turn copies its ids' KV). Grid block
+        `i` (positions `[i * B, (i + 1) * B)`) goes into the sample's own block `i - P // B`: where the prompt ends
+        inside a block the KV is shifted there (one gather / scatter, no new block: the sample is finished, nothing
+        reads its own blocks any more)."""
+        group, bs, cache = seq.group, self.block_size, self.cache
+        plen, written = group.prompt_len, seq.num_tokens - 1
+        if not seq.blocks or not group.resident or written <= plen:
+            return
+        ids = group.prompt_ids + seq.output_ids
+        full, first = written // bs, plen // bs
+        keys = cache.keys(ids, full)
+        held = cache.match(ids, keys)
+        start = len(held)
+        if start < first:  # the prompt's chain is not cached
+            return
+        end = written if plen % bs == 0 or self.copy_slots is not None else full * bs
+        if start * bs >= end:
+            return
+        self.allocator.share(held)  # pinned while a block is taken for the shifted tail
+        pinned, blocks = list(held), list(seq.blocks)
+        try:
+            if end > full * bs and full - first == len(blocks):  # the shift carries the tail past the own blocks
+                if plen % bs and group.num_finished == group.num_generations - 1:
+                    # the group's last sample: the prompt's partial block is no one else's and is freed with it
+                    blocks.append(group.prompt_blocks[first])
+                    self.allocator.share(blocks[-1:])
+                    pinned.append(blocks[-1])
+                elif not self.allocator.can_allocate(1):
+                    end = full * bs
+                else:
+                    blocks += self.allocator.allocate(1)  # free or evictable anyway: the room does not shrink
+                    pinned.append(blocks[-1])
+            if plen % bs and start * bs < end:
+                src = [self._slot(seq, p) for p in range(start * bs, end)]
+                self.copy_slots(src, [blocks[p // bs - first] * bs + p % bs for p in range(start * bs, end)])
+            parent = cache.serial(held[-1]) if held else 0
+            for i in range(start, full):
+                parent = cache.insert(blocks[i - first], keys[i], tuple(ids[i * bs:(i + 1) * bs]), parent)
+                if parent is None:
+                    return
+                self.stats.cached_completion_blocks += 1
+            if end > full * bs:
+                tokens = tuple(ids[full * bs:end])
+                if cache.insert(blocks[full - first], cache.hash_fn(keys[-1] if full else 0, tokens), tokens,
+                                parent) is not None:
+                    self.stats.cached_completion_blocks += 1
+        finally:
+            self.allocator.free(pinned)
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        """Pool slot holding position `pos` of `seq` (prompt blocks, then its own blocks from the prompt's end)."""
+        plen, bs = seq.prompt_len, self.block_size
+        if pos < plen:
+            return seq.group.prompt_blocks[pos // bs] * bs + pos % bs
+        own = pos - plen
+        return seq.blocks[own // bs] * bs + own % bs
+
     def _start(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> None:
         group = seq.group
         if not group.resident:
-            group.prompt_blocks = self.allocator.allocate(blocks_for(group.prompt_len, self.block_size))
+            self._allocate_prompt(group, max(0, self._own_blocks_needed(seq, lookahead) - len(seq.blocks)))
             batch.prefill_groups.append(group)
         resumed = self._resume_kv(seq, batch, lookahead)
         if not resumed:
@@ -235,6 +374,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """A running sample ended, or a waiting one whose first token (from its prompt's prefill) ended it."""
+        if self.cache_completions:
+            self._cache_completion(seq)
         self.allocator.free(seq.blocks)
         seq.blocks = []
         group = seq.group
@@ -253,6 +394,8 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> None:
         """Append the step's tokens through `Sequence.append_token` (the one stop rule), finish the samples that
         ended, roll back unused lookahead blocks, and return samples that reached their chunk to the queue."""
+        self.allocator.free(self._pinned)  # the step's forward made its partial-hit copies
+        self._pinned = []
         first_raw = out.first_raw_logprobs or [None] * len(out.first_tokens)
         for group, toks, lps, raws in zip(batch.prefill_groups, out.first_tokens, out.first_logprobs, first_raw):
             for k, (seq, t, lp) in enumerate(zip(group.pending_first(), toks, lps)):

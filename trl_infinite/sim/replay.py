@@ -18,6 +18,7 @@ from ..engine.call import RolloutCall, call_blocks, sampling_mode
 from ..engine.config import EngineConfig
 from ..engine.history import PromptHistory, remember_visits
 from ..engine.outputs import RolloutStats
+from ..engine.prefix_cache import PrefixCache
 from ..engine.scheduling.predictors import LengthPredictor, build_predictor
 from ..engine.sequence import Group, make_group
 from .traces import TraceRecord
@@ -170,7 +171,8 @@ def simulate(
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
         blocks = max(1, min(pool_size(call_blocks(engine, groups, max_new)), _budget_blocks(engine, groups, max_new)))
-        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size), predictor)
+        cache = PrefixCache(engine.block_size) if engine.prefix_cache else None  # the engine's, within one call
+        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size, cache), predictor)
         executor = TraceExecutor(call.hidden_predictor, features,
                                  {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}, config.step_ms)
         stats = call.run(executor)

@@ -94,10 +94,12 @@ def generate_rows(
     sampling: SamplingParams,
     runs: list[PromptRun],
     on_row_finished: RowCallback | None = None,
+    keep_pool: bool = False,
 ) -> tuple[list[list[int]], list[list[float]], list[RolloutStats]]:
     """Completions and sampling log-probs for every row of `prompt_ids` (TRL's order), and the stats of each call;
     `runs`: the rows' prompt groups (`trl_groups`). The log-probs are the engine's raw ones when `sampling` asks for
-    them (`raw_logprobs_temperature`: TRL's convention), else those of the processed distribution."""
+    them (`raw_logprobs_temperature`: TRL's convention), else those of the processed distribution. `keep_pool`:
+    the engine keeps its pool and prefix cache for a next call of the same rollout (`RolloutEngine.generate`)."""
     check_groups(prompt_ids, runs)
     completions: list[list[int] | None] = [None] * len(prompt_ids)
     logprobs: list[list[float] | None] = [None] * len(prompt_ids)
@@ -109,7 +111,8 @@ def generate_rows(
             def callback(prompt_idx: int, sample_idx: int, ids: list[int], _chosen=chosen) -> None:
                 on_row_finished(_chosen[prompt_idx].start + sample_idx, ids)
         result = engine.generate(
-            [list(prompt_ids[r.start]) for r in chosen], length, sampling, on_sample_finished=callback
+            [list(prompt_ids[r.start]) for r in chosen], length, sampling, on_sample_finished=callback,
+            keep_pool=keep_pool,
         )
         chosen_lps = result.raw_logprobs if result.raw_logprobs is not None else result.logprobs
         for k, (ids, lps) in enumerate(zip(result.completion_ids, chosen_lps)):
@@ -120,13 +123,15 @@ def generate_rows(
 
 
 def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
-    """The `rollout/*` metrics of one engine call (plus every numeric `stats.extra` counter)."""
+    """The `rollout/*` metrics of one engine call, i.e. of one turn of a tool loop (plus every numeric
+    `stats.extra` counter)."""
     out = {
         "rollout/tokens_per_second": stats.tokens_per_second,
         "rollout/decode_steps": float(stats.decode_steps),
         "rollout/peak_kv_gb": stats.peak_kv_bytes / 1e9,
         "rollout/peak_active_sequences": float(stats.peak_active_sequences),
         "rollout/prefill_tokens": float(stats.prefill_tokens),
+        "rollout/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens),
         "rollout/generated_tokens": float(stats.generated_tokens),
         "rollout/preemptions": float(stats.preemptions),
         "rollout/wall_time_s": stats.wall_time_s,
@@ -145,3 +150,9 @@ def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"rollout/{key}"] = float(value)
     return out
+
+
+def turn_metrics(stats: RolloutStats, turn: int) -> dict[str, float]:
+    """Prefill work of turn `turn` (0: the first) of a multi-turn rollout, under its own keys."""
+    return {f"rollout/turn_{turn}/prefill_tokens": float(stats.prefill_tokens),
+            f"rollout/turn_{turn}/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens)}

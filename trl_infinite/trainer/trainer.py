@@ -25,7 +25,7 @@ from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
 from .logprobs import HeadSpec
 from .packing import pack_rows
-from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups
+from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups, turn_metrics
 from .scoring import ChunkScorer
 from .shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
 from .streaming import StreamingRewards, StreamSlot
@@ -73,6 +73,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         )
         self._batch_inputs: list[dict] | None = None
         self._batch_prompts: list | None = None
+        self._rollout_turn: int | None = None  # engine calls so far in the running `_generate` (None: outside)
         self.engine_fallback_reasons: list[str] = []
         if not (self.use_vllm or self.use_transformers_continuous_batching):
             self.engine_fallback_reasons = engine_fallback_reasons(
@@ -128,8 +129,20 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             self._stream_slot.close()
 
     def _generate(self, prompts: list):
+        """TRL's `_generate` (first turn, tool loop or `environment_factory` turns, or the user's `rollout_func`),
+        one rollout: with tools, environments or a `rollout_func`, every engine call in it keeps the KV pool, its
+        prefix cache and its finished completions for the next (a turn prefills only the tokens it adds to the
+        conversation); released at the end as `rollout_kv_cache_release` says. The cache never outlives a weight
+        update (the engine checks)."""
         self._batch_prompts = prompts
-        return super()._generate(prompts)
+        self._rollout_turn = 0
+        try:
+            return super()._generate(prompts)
+        finally:
+            self._rollout_turn = None
+            engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
+            if engine is not None:
+                engine.release_pool()
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Engine rollout for rows that hold each prompt `num_generations` times in a row (TRL's layout); the tool
@@ -164,7 +177,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 sampling = engine_sampling_params(config, self.max_completion_length, self.eos_token_ids, seed,
                                                   logprobs_temperature=self.temperature)
                 engine = self._get_engine(model)
-                completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished)
+                completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished,
+                                                             keep_pool=self._multi_turn)
         except UnsupportedModelError as err:  # the full support contract failed: TRL's own (exact) generation
             self._stream_slot.close()  # nothing was generated: TRL's path scores the batch after generation
             self.engine_fallback_reasons.append(str(err))
@@ -177,9 +191,22 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             stream.flush()
         mode = "train" if self.model.training else "eval"
         for s in stats:
-            for key, value in rollout_metrics(s).items():
+            metrics = rollout_metrics(s)
+            if self._multi_turn:
+                metrics.update(turn_metrics(s, self._rollout_turn))
+            for key, value in metrics.items():
                 self._metrics[mode][key].append(value)
+        if self._rollout_turn is not None:
+            self._rollout_turn += 1
         return completions, logprobs
+
+    @property
+    def _multi_turn(self) -> bool:
+        """Inside a rollout that may call the engine again with conversations continuing this call's (TRL's tool
+        loop, `environment_factory`, a `rollout_func`): the engine keeps its pool and caches the completions."""
+        return getattr(self, "_rollout_turn", None) is not None and (
+            bool(self.tools) or self.rollout_func is not None
+            or getattr(self, "environment_factories", None) is not None)
 
     def _rollout_seed(self) -> int:
         """The engine's seed for this rollout, from checkpointed state (`rollout.RolloutKey`): a run resumed from a

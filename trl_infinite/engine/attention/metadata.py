@@ -18,7 +18,7 @@ window, chunk: `layer.allowed`, the one mask rule every backend follows).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,8 @@ class Segment:
     start_pos: int  # position of the first new token
     tokens: list[int]
     group_index: int = 0  # segments of the same group share `prefix_blocks` (used by cascade kernels)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source slot, target slot) of prefix-cache KV
+    # copied into this segment's context by every layer before it attends (`PagedAttentionMetadata.copy_slots`)
 
     @property
     def end_pos(self) -> int:
@@ -85,6 +87,9 @@ class PagedAttentionMetadata:
     cascade: tuple[torch.Tensor, torch.Tensor] | None = None  # Triton backend: (order, run_len), see `cascade_plan`
     row_group_slot: torch.Tensor | None = None  # [S] decode: slot of each row's group in `group_prefix_table`
     group_prefix_table: torch.Tensor | None = None  # [Gb, Wp] decode: prompt blocks of each group slot
+    # prefill: ([C] source slots, [C] target slots) each layer copies right after writing the new keys and values
+    # (partial prefix-cache hits, `Segment.copies`); None: no copy
+    copy_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -208,6 +213,10 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
         seg_group=to(torch.tensor([s.group_index for s in segments], dtype=torch.long)),
         max_q_len=int(q_lens.max()),
     )
+    copies = [c for s in segments for c in s.copies]
+    if copies:
+        pairs = torch.tensor(copies, dtype=torch.long)
+        meta.copy_slots = (to(pairs[:, 0]), to(pairs[:, 1]))
     return to(input_ids)[None], to(q_pos)[None], meta
 
 
