@@ -306,6 +306,18 @@ class SpeculativeConfig(Section):
         True, "Per-sample draft length from recent acceptance and a batch switch from an online cost model "
         "(speculation off while the batch is large). False = always draft `speculative_num_tokens`.",
         (f"{_SPEC}step.py",))
+    decoupled: bool = setting(
+        False, "Decoupled speculation (SpecActor §4.1): the drafter drafts the next window on its own thread (its "
+        "own CUDA stream on GPU) while the verification forward runs, assuming its drafts are accepted; the window "
+        "and the coupled fallback are planned by the TGS model, per request (Alg. 1, 2). Lossless as coupled.",
+        (f"{_SPEC}step.py", f"{_SPEC}decoupled.py"))
+    draft_window: int | None = setting(
+        None, "Decoupled speculation: drafting window w (drafts verified per sample and step, <= "
+        "`speculative_num_tokens`). None = chosen by the TGS plan from measured step times and acceptance.",
+        (f"{_SPEC}decoupled.py",))
+    reconfigure_every: int = setting(
+        16, "Decoupled speculation: decode steps between per-request reconfigurations (Alg. 2: samples below the mean "
+        "acceptance get a smaller window or coupled execution). 0 = never.", (f"{_SPEC}decoupled.py",))
     suffix: SuffixConfig = section(SuffixConfig)
     ngram: NgramConfig = section(NgramConfig)
     best_of_n: BestOfNConfig = section(BestOfNConfig)
@@ -315,6 +327,12 @@ class SpeculativeConfig(Section):
             DRAFTERS.check(self.method)
         integer(self.flag("num_tokens"), self.num_tokens)
         boolean(self.flag("adaptive"), self.adaptive)
+        boolean(self.flag("decoupled"), self.decoupled)
+        integer(self.flag("draft_window"), self.draft_window, allow_none=True)
+        if self.draft_window is not None and self.draft_window > self.num_tokens:
+            raise ValueError(f"`speculative_draft_window` must be <= `speculative_num_tokens` ({self.num_tokens}), "
+                             f"got {self.draft_window!r}.")
+        integer(self.flag("reconfigure_every"), self.reconfigure_every, minimum=0)
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
 

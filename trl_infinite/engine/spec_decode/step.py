@@ -22,18 +22,22 @@ from ..sampler import STREAM_SAMPLE, row_keys, seen_mask
 from ..sequence import SeqStatus, Sequence
 from .adaptive import AcceptanceTracker, CostModel, plan_lengths
 from .drafter import EMPTY, DraftContext, Drafter, Proposal
+from .plan import DraftTimes, StepTimes
 from .verify import Verified, verify
 
 
 class Speculator:
     """Engine-lifetime state: the drafter's name and options (`config.speculative`), the draft model (loaded once),
-    the engine's history, and the cost model (profiled once per model)."""
+    the engine's history, the cost models of verification and drafting (profiled once per model) and the mean
+    acceptance (the decoupled plan's `p`, which changes little between calls)."""
 
     def __init__(self, config: EngineConfig, device: torch.device, history=None):
         self.engine_config = config
         self.config = config.speculative
         self.device = device
         self.cost = CostModel()
+        self.draft_times = DraftTimes()
+        self.acceptance = AcceptanceTracker(decay=0.995)  # key None: every verified draft of every call
         self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
         self.draft_model = None
         if self.config.draft_model is not None:
@@ -50,8 +54,22 @@ class Speculator:
         context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model)
         return DRAFTERS.build(self.config.method, self.config, context)
 
+    def step_times(self) -> StepTimes | None:
+        """The fitted verification and drafting step times, None until both models have data."""
+        if not (self.cost.ready and self.draft_times.ready):
+            return None
+        return StepTimes(tuple(self.cost.coef.tolist()), self.draft_times.fit.coef)
+
     def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
-        return SpeculativeStep(ctx, self, self.build_drafter(sampling), sampling)
+        drafter = self.build_drafter(sampling)
+        if not self.config.decoupled:
+            return SpeculativeStep(ctx, self, drafter, sampling)
+        if not drafter.supports_ahead:
+            raise ValueError(f"`speculative_decoupled=True` needs a drafter that drafts ahead (`propose_ahead`); "
+                             f"{self.config.method!r} does not.")
+        from .decoupled import DecoupledStep
+
+        return DecoupledStep(ctx, self, drafter, sampling)
 
 
 class SpeculativeStep:
@@ -65,6 +83,8 @@ class SpeculativeStep:
         self.tracker = AcceptanceTracker()
         self.verified_rows = 0
         self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen
+        # (group, sample) -> [drafts accepted, drafts verified, verifications that rejected one]
+        self.sample_counts: dict[tuple[int, int], list[int]] = {}
 
     def lookahead(self, num_running: int) -> int:
         """KV slots to reserve per sample for drafts next step."""
@@ -80,6 +100,28 @@ class SpeculativeStep:
                 self.drafter.start(s)
                 self.known[s.seq_id] = s.num_generated
         proposals = self._draft(seqs, batch.lookahead)
+        ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
+        try:
+            out = self._verify_step(batch, seqs, proposals)
+        except BaseException:
+            self._join_ahead(ahead, keep=False)  # the drafter thread is idle again before the error leaves
+            raise
+        self._join_ahead(ahead, keep=True)
+        return out
+
+    def _launch_ahead(self, seqs: list[Sequence], drafts: list[list[int]]):
+        """Decoupled speculation starts drafting the next window here (`decoupled.py`); coupled: nothing."""
+        return None
+
+    def _join_ahead(self, ahead, keep: bool) -> None:
+        """Waits for what `_launch_ahead` started (`keep`: use its drafts, else only wait)."""
+
+    def close(self) -> None:
+        """End of the call (every exit path): the per-sample acceptance for traces (`sim/speculative.py`)."""
+        self.ctx.stats.extra["spec_sample_acceptance"] = {
+            f"{g}/{i}": tuple(c) for (g, i), c in sorted(self.sample_counts.items())}
+
+    def _verify_step(self, batch: ScheduledBatch, seqs: list[Sequence], proposals: list[Proposal]):
         drafts = [p.tokens for p in proposals]
         if not any(drafts) and self.ctx.decoder is not None:  # nothing to verify: the plain static step
             t0 = time.perf_counter()
@@ -119,9 +161,15 @@ class SpeculativeStep:
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
         ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.config.adaptive)
+        return self._propose(seqs, ks)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """The drafter's proposals cut to `ks`, timed for the drafting cost model."""
         if not any(ks):
             return [EMPTY] * len(seqs)
+        t0 = time.perf_counter()
         proposals = self.drafter.propose(seqs, ks)
+        self.spec.draft_times.observe(sum(1 for k in ks if k), max(ks), sum(ks), time.perf_counter() - t0)
         return [Proposal(p.tokens[:k]) for p, k in zip(proposals, ks)]
 
     @staticmethod
@@ -180,6 +228,11 @@ class SpeculativeStep:
         for s, d, n in zip(seqs, drafts, n_acc):
             if d:
                 self.tracker.observe(s.seq_id, len(d), n)
+                self.spec.acceptance.observe(None, len(d), n)
+                counts = self.sample_counts.setdefault((s.group_id, s.sample_idx), [0, 0, 0])
+                counts[0] += n
+                counts[1] += len(d)
+                counts[2] += n < len(d)
                 self.verified_rows += 1
                 stats.draft_tokens += len(d)
                 stats.accepted_tokens += n
