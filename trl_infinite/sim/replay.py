@@ -158,10 +158,13 @@ def simulate(
     predictor: LengthPredictor | None = None,
     features: dict | None = None,
     history: PromptHistory | None = None,
+    speculation=None,
 ) -> SimResult:
     """Run the trace call by call (B prompts each, one epoch per call), each call built as the engine builds it
     (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
-    revisits prompts feeds later epochs the earlier ones)."""
+    revisits prompts feeds later epochs the earlier ones). `speculation` (a `sim.speculative.SpecReplay`): replay
+    speculative decoding on the records' `acceptance` traces; each call's modelled seconds are then
+    `stats.extra["sim_seconds"]`."""
     engine = config.engine
     history = history if history is not None else PromptHistory.from_config(engine.history)
     predictor = predictor or build_predictor(engine.scheduling, history)
@@ -169,11 +172,21 @@ def simulate(
     for chunk in _calls(records, config.prompts_per_call):
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
-        blocks = max(1, min(pool_size(call_blocks(engine, groups, max_new)), _budget_blocks(engine, groups, max_new)))
+        lookahead = speculation.num_tokens if speculation is not None and speculation.mode != "none" else 0
+        need = pool_size(call_blocks(engine, groups, max_new, lookahead))
+        blocks = max(1, min(need, _budget_blocks(engine, groups, max_new + lookahead)))
         call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size), predictor)
-        executor = TraceExecutor(call.hidden_predictor, features,
-                                 {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}, config.step_ms)
+        index = {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}
+        if speculation is None:
+            executor = TraceExecutor(call.hidden_predictor, features, index, config.step_ms)
+        else:
+            from .speculative import SpeculativeTraceExecutor
+
+            acceptance = {(rec.prompt_index, i): p for rec in chunk for i, p in enumerate(rec.extra["acceptance"])}
+            executor = SpeculativeTraceExecutor(speculation, acceptance, index)
         stats = call.run(executor)
+        if speculation is not None:
+            stats.extra["sim_seconds"] = executor.seconds
         seqs = [s for g in groups for s in g.samples]
         out.calls.append(stats)
         out.epochs.append(chunk[0].epoch)
