@@ -1,6 +1,7 @@
 """Decoupled speculation (SpecActor §4.1): lossless like coupled speculation, the drafter thread joined on every exit
 path, and the TGS plan (Alg. 1) / per-request reconfiguration (Alg. 2) choosing what the formulas say."""
 
+import copy
 import threading
 
 import pytest
@@ -47,7 +48,8 @@ def draft():
 
 @register_drafter("test_oracle_ahead")
 class _AheadOracle(_ModelOracle):
-    """The target's argmax continuation (often accepted), also after assumed tokens (drafting ahead)."""
+    """The target's argmax continuation (often accepted), also after assumed tokens (drafting ahead), computed by a
+    copy of the target given as the draft model (the drafter thread runs while the target itself verifies)."""
 
     supports_ahead = True
 
@@ -63,7 +65,7 @@ class _AheadOracle(_ModelOracle):
 
 def _engine(model, method=None, draft=None, **kw):
     if method is not None and method.startswith("test_"):
-        draft = model
+        draft = copy.deepcopy(model)
     cfg = EngineConfig(kv_cache_tokens=16384, block_size=8, speculative_method=method, speculative_draft_model=draft,
                        **kw)
     return RolloutEngine(model, cfg)
@@ -203,6 +205,11 @@ def test_config_fields_and_errors():
 
 
 def test_a_drafter_that_cannot_draft_ahead_is_refused(model):
-    """`test_oracle` (no `propose_ahead`) with decoupled execution: a ValueError naming the flag."""
+    """`test_oracle` (no `propose_ahead`) with decoupled execution, or the target as its own draft model (both would
+    run at once): a ValueError."""
     with pytest.raises(ValueError, match="speculative_decoupled"):
         _engine(model, "test_oracle", speculative_decoupled=True).generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
+    self_draft = RolloutEngine(model, EngineConfig(kv_cache_tokens=4096, speculative_method="draft_model",
+                                                   speculative_draft_model=model, speculative_decoupled=True))
+    with pytest.raises(ValueError, match="another module"):
+        self_draft.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))

@@ -67,6 +67,9 @@ class Speculator:
         if not drafter.supports_ahead:
             raise ValueError(f"`speculative_decoupled=True` needs a drafter that drafts ahead (`propose_ahead`); "
                              f"{self.config.method!r} does not.")
+        if self.draft_model is not None and self.draft_model is ctx.runner.model:
+            raise ValueError("`speculative_decoupled=True` drafts while the target verifies: "
+                             "`speculative_draft_model` must be another module than the model itself.")
         from .decoupled import DecoupledStep
 
         return DecoupledStep(ctx, self, drafter, sampling)

@@ -1,0 +1,139 @@
+"""Decoupled speculation (SpecActor §4.1, issue 27): none / coupled / decoupled rollouts of SmolLM2-135M-Instruct's
+real weights on chat-formatted GSM8K train questions, at several batch sizes, with the simulator's prediction beside
+each measured row.
+
+Per batch size b (b / G prompts, G samples each, all b samples decoding together: `sampling_mode="full_group"`),
+three fresh engines roll out the same prompts with the same seed: no speculation, coupled speculation (today's
+adaptive controller) and decoupled speculation (the TGS plan, Alg. 1 + 2; the drafter drafts ahead on its own
+thread). Each engine first makes a short warm-up call (it also profiles the step-time models the plan needs), then
+the measured call. Columns: wall seconds and process CPU seconds (both threads) of the call, decode forwards (every
+decode/verify forward), verify forwards (forwards that verified at least one draft), the mean acceptance length,
+the plan the decoupled engine chose, the measured speed (generated tokens / wall second), the simulator's predicted
+speed for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
+engine's fitted step times, host work outside the forwards not modelled), and the speed-up over `none`.
+All three engines of a batch size emit the same tokens (checked: lossless).
+
+Drafters: `--drafter suffix` (the group's suffix tree: nearly free drafting, so the plan is expected to keep coupled
+execution) or `--drafter draft_model` (a truncated SmolLM2, its first `--draft-layers` layers with the final norm and
+head: costly drafting, the case decoupled execution is for).
+
+    python benchmarks/decoupled.py --drafter draft_model --batches 8 32 64 --max-new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+import time
+
+import torch
+from common import Table, pick_device, run_header, write_results
+
+from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.sim import SimConfig, simulate
+from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats
+from trl_infinite.sim.traces import TraceRecord
+from trl_infinite.testing.offline_models import load_smollm2
+from trl_infinite.testing.shared_data import dataset_file
+
+
+def gsm8k_train_prompts(tokenizer, n: int) -> list[list[int]]:
+    lines = dataset_file("gsm8k", "train").read_text().splitlines()[:n]
+    msgs = [[{"role": "user", "content": json.loads(line)["question"]}] for line in lines]
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """The model's first `layers` decoder layers with its embeddings, final norm and head (a self-draft)."""
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    draft = type(model)(cfg)
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    if missing:
+        raise RuntimeError(f"truncated draft model: weights missing {missing[:3]}")
+    return draft.eval()
+
+
+def engine_config(args, mode: str, b: int, draft) -> EngineConfig:
+    spec = {} if mode == "none" else dict(
+        speculative_method=args.drafter, speculative_num_tokens=args.num_tokens,
+        speculative_draft_model=draft if args.drafter == "draft_model" else None,
+        speculative_decoupled=mode == "decoupled")
+    return EngineConfig(kv_cache_tokens=args.kv_tokens, block_size=16, sampling_mode="full_group",
+                        max_active_sequences=b, **spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", choices=["suffix", "draft_model"], default="draft_model")
+    ap.add_argument("--draft-layers", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--num-tokens", type=int, default=5, help="speculative_num_tokens (largest window)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--json", default=None, help="write the run as JSON (and the markdown beside it)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = pick_device("cpu")
+    model, tok = load_smollm2()
+    draft = truncated(model, args.draft_layers) if args.drafter == "draft_model" else None
+    header = run_header(device, "python benchmarks/decoupled.py " + shlex.join(sys.argv[1:]))
+    table = Table(["batch", "mode", "wall_s", "cpu_s", "decode_fwd", "verify_fwd", "accept_len", "plan", "tok_s",
+                   "sim_tok_s", "speedup_vs_none"])
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                        eos_token_ids=[tok.eos_token_id])
+    warm = SamplingParams(max_new_tokens=16, temperature=args.temperature, seed=args.seed + 1,
+                          eos_token_ids=[tok.eos_token_id])
+    for b in args.batches:
+        g = args.group_size
+        prompts = gsm8k_train_prompts(tok, max(1, b // g))
+        runs = {}
+        for mode in ("none", "coupled", "decoupled"):
+            engine = RolloutEngine(model, engine_config(args, mode, b, draft))
+            engine.generate(prompts, g, warm)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = engine.generate(prompts, g, sp)
+            runs[mode] = (out, time.perf_counter() - t0, time.process_time() - c0, engine)
+            print(f"b={b} {mode}: {runs[mode][1]:.1f}s", file=sys.stderr, flush=True)
+        ref = runs["none"][0].completion_ids
+        if any(r[0].completion_ids != ref for r in runs.values()):
+            raise RuntimeError(f"batch {b}: speculative tokens differ from plain decoding's")
+        base_speed = None
+        for mode in ("none", "coupled", "decoupled"):
+            out, wall, cpu, engine = runs[mode]
+            s = out.stats
+            times_engine = runs["coupled" if mode == "none" else mode][3]
+            times = times_engine.speculator.step_times()
+            extra = runs["coupled" if mode == "none" else mode][0].stats.extra
+            records = [TraceRecord(prompt_len=len(p), lengths=[len(c) for c in ref[i * g:(i + 1) * g]],
+                                   prompt_index=i, extra={"acceptance": acceptance_from_stats(extra, i, g)})
+                       for i, p in enumerate(prompts)]
+            sim_speed = None
+            if times is not None:
+                replay = SpecReplay(times, mode=mode, num_tokens=args.num_tokens, seed=args.seed)
+                sim = simulate(records, SimConfig(engine=engine_config(args, "none", b, None),
+                                                  prompts_per_call=len(prompts)), speculation=replay)
+                call = sim.calls[0]
+                sim_speed = call.generated_tokens / call.extra["sim_seconds"]
+            speed = s.generated_tokens / wall
+            base_speed = base_speed or speed
+            plan = (f"{s.extra['spec_plan_mode']} w={s.extra['spec_plan_window']}"
+                    if "spec_plan_mode" in s.extra else ("-" if mode != "decoupled" else "fixed/unplanned"))
+            table.add(batch=b, mode=mode, wall_s=wall, cpu_s=cpu, decode_fwd=s.decode_steps, verify_fwd=s.verify_steps,
+                      accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed, sim_tok_s=sim_speed,
+                      speedup_vs_none=speed / base_speed)
+    write_results(args.json, header, table, {"args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
