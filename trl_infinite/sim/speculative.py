@@ -7,8 +7,8 @@ the first failed Bernoulli(p) draw of positions j+1 .. j+k, and a window drafted
 succeeds too (one more draw); the draws are keyed by (seed, prompt, sample, position), so a replay is reproducible.
 
 Per decode step the executor chooses each row's mode and window with the engine's own plan (`spec_decode/plan.py`:
-Alg. 1 at the call's first decode step, Alg. 2 every `reconfigure_every` steps; coupled rows use the best coupled
-window at the step's batch), runs the decoupled state machine of `spec_decode/decoupled.py` and charges the step
+Alg. 1 at the call's first decode step and again every `reconfigure_every` steps with the current batch, each time
+followed by Alg. 2; the `coupled` mode uses the best coupled window at the step's batch), runs the decoupled state machine of `spec_decode/decoupled.py` and charges the step
 
     coupled:    Dr(b_c, k) + V(b, D)                    decoupled:  Dr(b_c, k) + max(Dr(b_d, w + 1), V(b, D))
 
@@ -93,13 +93,12 @@ class SpeculativeTraceExecutor(TraceExecutor):
             return [Plan(COUPLED, 0, 0.0)] * b
         if r.mode == "coupled":
             return [best_coupled(r.times, mean_p, b, r.num_tokens)] * b
-        if self.plan is None:
-            fixed = r.draft_window
-            self.plan = Plan(DECOUPLED, fixed, 0.0) if fixed is not None else plan(r.times, mean_p, b, r.num_tokens)
-        if self.plan.mode == COUPLED:
-            return [best_coupled(r.times, mean_p, b, r.num_tokens)] * b
-        if r.draft_window is None and r.reconfigure_every and self.steps % r.reconfigure_every == 0:
-            self.per_row = reconfigure(r.times, self.plan, {s.seq_id: self._p(s) for s in decode}, r.num_tokens)
+        if r.draft_window is not None:
+            return [Plan(DECOUPLED, r.draft_window, 0.0)] * b
+        if self.plan is None or (r.reconfigure_every and self.steps % r.reconfigure_every == 0):
+            self.plan = plan(r.times, mean_p, b, r.num_tokens)
+            if r.reconfigure_every:
+                self.per_row = reconfigure(r.times, self.plan, {s.seq_id: self._p(s) for s in decode}, r.num_tokens)
         return [self.per_row.get(s.seq_id, self.plan) for s in decode]
 
     def run(self, batch: ScheduledBatch) -> StepOutput:

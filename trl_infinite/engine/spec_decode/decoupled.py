@@ -55,8 +55,10 @@ class _Ahead:
 
 class DecoupledStep(SpeculativeStep):
     """`SpeculativeStep` with decoupled drafting (module docstring). The plan (Alg. 1) is made at the first step
-    where the step-time models and the acceptance have data (before that: coupled, which profiles them); Alg. 2
-    runs every `speculative_reconfigure_every` steps."""
+    where the step-time models and the acceptance have data (before that: today's coupled controller, which
+    profiles them), and made again with the current batch every `speculative_reconfigure_every` steps, followed by
+    Alg. 2 for the requests below the mean acceptance. A coupled plan drafts its window (0: none) for every row
+    before the forward; a decoupled one verifies the windows drafted ahead."""
 
     def __init__(self, ctx, spec, drafter, sampling):
         super().__init__(ctx, spec, drafter, sampling)
@@ -76,17 +78,21 @@ class DecoupledStep(SpeculativeStep):
         self.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
             else (False, None)
         self.counters = {"ahead_tokens": 0, "ahead_used": 0, "ahead_wasted": 0, "decoupled_rows": 0,
-                         "coupled_rows": 0}
+                         "coupled_rows": 0, "plans": 0}
 
     # -- the plan
     def _make_plan(self, b: int) -> None:
+        """Alg. 1 at the current batch `b` (first plan of the call, or a periodic re-plan)."""
         times = self.spec.step_times()
-        if self.plan is not None or times is None or not self.spec.acceptance.counts:
+        if times is None or not self.spec.acceptance.counts:
             return
+        first = self.plan is None
         self.plan = plan(times, self.spec.acceptance.alpha(None), b, self.w_max)
-        extra = self.ctx.stats.extra
-        extra.update(spec_plan_mode=self.plan.mode, spec_plan_window=self.plan.window, spec_plan_batch=b,
-                     spec_plan_tgs=self.plan.tgs, spec_plan_acceptance=self.spec.acceptance.alpha(None))
+        if first:  # the plan at the call's initial batch, for the benchmarks
+            self.ctx.stats.extra.update(
+                spec_plan_mode=self.plan.mode, spec_plan_window=self.plan.window, spec_plan_batch=b,
+                spec_plan_tgs=self.plan.tgs, spec_plan_acceptance=self.spec.acceptance.alpha(None))
+        self.counters["plans"] += 1
 
     def _reconfigure(self, seqs: list[Sequence]) -> None:
         times = self.spec.step_times()
@@ -99,11 +105,12 @@ class DecoupledStep(SpeculativeStep):
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
         self.steps += 1
         self.pending = []
-        self._make_plan(len(seqs))
-        if self.plan is None or self.plan.mode == COUPLED:  # profiling, or the plan's fallback: coupled
+        if self.plan is None or (self.every and self.steps % self.every == 0):
+            self._make_plan(len(seqs))
+            if self.plan is not None and self.every:
+                self._reconfigure(seqs)
+        if self.plan is None:  # the step-time models are not profiled yet: today's coupled controller
             return super()._draft(seqs, lookahead)
-        if self.every and self.steps % self.every == 0:
-            self._reconfigure(seqs)
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         out = [EMPTY] * len(seqs)
         ks = [0] * len(seqs)
