@@ -33,8 +33,8 @@ import torch
 from common import Table, pick_device, run_header, write_results
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.sim import SimConfig, simulate
-from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats
+from trl_infinite.sim import SimConfig
+from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats, simulate_speculative
 from trl_infinite.sim.traces import TraceRecord
 from trl_infinite.testing.offline_models import load_smollm2
 from trl_infinite.testing.shared_data import dataset_file
@@ -121,8 +121,8 @@ def main() -> None:
             sim_speed = None
             if times is not None:
                 replay = SpecReplay(times, mode=mode, num_tokens=args.num_tokens, seed=args.seed)
-                sim = simulate(records, SimConfig(engine=engine_config(args, "none", b, None),
-                                                  prompts_per_call=len(prompts)), speculation=replay)
+                sim = simulate_speculative(records, SimConfig(engine=engine_config(args, "none", b, None),
+                                                              prompts_per_call=len(prompts)), replay)
                 call = sim.calls[0]
                 sim_speed = call.generated_tokens / call.extra["sim_seconds"]
             speed = s.generated_tokens / wall

@@ -142,11 +142,13 @@ def test_layers_import_downwards_only():
 
 def test_developer_tools_are_not_imported_by_the_core():
     """`trl_infinite.testing` (tiny configs, random models, offline weights, the model matrix) is for tests and
-    benchmarks: only itself and command-line entry points (`__main__`) import it."""
+    benchmarks: only itself and command-line entry points (`__main__`, developer options only) import it."""
     offenders = [m for m, targets in GRAPH.items() for t in targets
                  if t.startswith(f"{PACKAGE}.testing") and _layer(m) != "testing" and not m.endswith("__main__")]
     assert offenders == []
     assert not (ROOT / "utils").exists()  # the old mixed `utils/` (core registry + dev tools) is gone
+    pyproject = (ROOT.parent / "pyproject.toml").read_text()
+    assert f'exclude = ["{PACKAGE}.testing*"]' in pyproject  # and the wheel does not ship them
 
 
 def test_plugin_registry_is_a_leaf():

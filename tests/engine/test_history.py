@@ -4,11 +4,12 @@ import pytest
 from _models import tiny_model
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.config import HistoryConfig
 from trl_infinite.engine.history import PromptHistory
 
 
 def test_lru_keeps_the_most_recently_visited_prompts():
-    h = PromptHistory(max_prompts=2, max_visits=2)
+    h = PromptHistory(HistoryConfig(max_prompts=2, max_visits=2))
     h.record([1, 2], [5, 6])
     h.record([3], [7])
     assert h.lengths([1, 2]) == [5, 6]  # reading does not refresh recency
@@ -20,7 +21,7 @@ def test_lru_keeps_the_most_recently_visited_prompts():
 
 
 def test_visits_are_capped_oldest_first():
-    h = PromptHistory(max_prompts=4, max_visits=2)
+    h = PromptHistory(HistoryConfig(max_prompts=4, max_visits=2))
     for visit in range(3):
         h.record([1], [visit, visit], [[visit] * 3, [visit]])
     assert [v.lengths for v in h.visits([1])] == [[1, 1], [2, 2]]
@@ -29,13 +30,13 @@ def test_visits_are_capped_oldest_first():
 
 
 def test_token_budget_drops_token_ids_not_lengths():
-    h = PromptHistory(max_prompts=8, max_visits=2, max_tokens=10)
+    h = PromptHistory(HistoryConfig(max_prompts=8, max_visits=2, max_tokens=10))
     h.record([1], [4, 2], [[1] * 4, [2] * 2])
     h.record([2], [3, 3], [[3] * 3, [4] * 3])
     assert h.num_tokens == 6  # the older prompt's token ids went first, its lengths stay
     assert h.completions([1]) == [] and h.lengths([1]) == [4, 2]
     assert [list(c) for c in h.completions([2])] == [[3, 3, 3], [4, 4, 4]]
-    lengths_only = PromptHistory(max_tokens=0)
+    lengths_only = PromptHistory(HistoryConfig(max_tokens=0))
     lengths_only.record([1], [2], [[5, 6]])
     assert lengths_only.completions([1]) == [] and lengths_only.lengths([1]) == [2]
 
@@ -45,7 +46,7 @@ def test_clear_and_disabled_history():
     h.record([1], [2], [[3, 4]])
     h.clear()
     assert len(h) == 0 and h.num_tokens == 0 and h.lengths([1]) == []
-    off = PromptHistory(max_prompts=0)
+    off = PromptHistory(HistoryConfig(max_prompts=0))
     off.record([1], [2])
     assert len(off) == 0
 

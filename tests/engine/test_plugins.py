@@ -10,6 +10,7 @@ from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.attention import resolve_backend
 from trl_infinite.engine.block_manager import BlockAllocator
 from trl_infinite.engine.call import RolloutCall
+from trl_infinite.engine.config import HistoryConfig
 from trl_infinite.engine.history import PromptHistory
 from trl_infinite.engine.registry import (
     ATTENTION_BACKENDS,
@@ -59,14 +60,14 @@ def test_every_length_predictor_is_built_from_config():
     assert {"none", "oracle", "group", "prefix", "history"} <= set(PREDICTORS)
     for name in PREDICTORS:
         cfg = EngineConfig(length_predictor=name, prefix_predictor_k=5, history_fallback="siblings")
-        assert build_predictor(cfg.scheduling, PromptHistory(8, 2, 0)).name == name
+        assert build_predictor(cfg.scheduling, PromptHistory(HistoryConfig(8, 2, 0))).name == name
 
 
 def test_every_drafter_is_built_from_config():
     assert {"suffix", "ngram", "draft_model", "best_of_n"} <= set(DRAFTERS)
     for name in DRAFTERS:
         cfg = EngineConfig(speculative_method=name, speculative_draft_model=tiny_model(), kv_cache_tokens=256)
-        drafter = Speculator(cfg, CPU, history=PromptHistory(8, 2, 1000)).build_drafter(
+        drafter = Speculator(cfg, CPU, history=PromptHistory(HistoryConfig(8, 2, 1000))).build_drafter(
             SamplingParams(max_new_tokens=8))
         assert drafter.name == name
 

@@ -1,5 +1,6 @@
-"""The engine runs the simulator's scheduler: same decode steps on forced lengths; divided rollout, memory admission
-and the prefix predictor inside the real engine (tiny random model)."""
+"""The engine runs the simulator's scheduler: same decode steps on forced lengths (every registered scheduler x batch
+policy x sampling mode); divided rollout, memory admission and the prefix predictor inside the real engine (tiny
+random model)."""
 
 import random
 
@@ -7,6 +8,8 @@ import pytest
 from _models import tiny_model
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.executor import ModelExecutor
+from trl_infinite.engine.registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
 from trl_infinite.sim import SimConfig, simulate
 from trl_infinite.sim.traces import TraceRecord
 
@@ -56,6 +59,41 @@ def test_engine_matches_simulator_across_calls_with_history(model, scheduler, ch
     assert len(engine.history) == 2 and engine.history.lengths(PROMPTS[1]) == LENGTHS[1] + epochs[1][1]
     if scheduler != "lfs_max":  # it ranks by the longest known length, not the predictor's estimate
         assert engine.predictor.mae_by_source()["history"][1] == 12  # every second-call sample ranked by history
+
+
+STEP_MS = (1.0, 1.0)  # decode step time model (1 ms + 1 ms per row): what `sla` decides from, engine and simulator
+SHORT = [[RNG.randint(1, 14) for _ in range(6)] for _ in PROMPTS]
+SAME = ("decode_steps", "tail_decode_steps", "scheduler_steps", "active_sequence_steps", "peak_active_sequences",
+        "peak_kv_blocks", "num_kv_blocks", "preemptions", "prompt_evictions", "parks", "offloaded_blocks",
+        "generated_tokens")
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING_MODES))
+def test_engine_and_simulator_take_the_same_steps_for_every_plugin(model, monkeypatch, mode):
+    """Every registered scheduler x batch policy in this sampling mode, on forced lengths: the engine and the
+    simulator, built from one `EngineConfig`, schedule alike (same steps, batch sizes, blocks, preemptions). The
+    `sla` policy decides from the same deterministic step-time model in both (the engine's measured step times
+    replaced by it)."""
+    monkeypatch.setattr(ModelExecutor, "step_seconds",
+                        lambda self, batch, measured: (STEP_MS[0] + STEP_MS[1] * len(batch.decode)) / 1e3)
+    records = [TraceRecord(prompt_len=len(p), lengths=g, prompt_index=i, max_new_tokens=16)
+               for i, (p, g) in enumerate(zip(PROMPTS, SHORT))]
+    steps = {}
+    for scheduler in SCHEDULERS:
+        for policy in BATCH_POLICIES:
+            cfg = EngineConfig(sampling_mode=mode, max_active_sequences=3, scheduler=scheduler, batch_policy=policy,
+                               length_predictor="oracle", kv_cache_tokens=160, block_size=4, sla_decode_ms=3.0,
+                               sla_window=1)
+            res = RolloutEngine(model, cfg).generate(PROMPTS, 6, SamplingParams(max_new_tokens=16, seed=1),
+                                                     forced_lengths=SHORT)
+            assert [len(c) for c in res.completion_ids] == [n for g in SHORT for n in g]
+            sim = simulate(records, SimConfig(cfg, prompts_per_call=2, step_ms=STEP_MS))
+            assert sim.lengths_preserved and len(sim.calls) == 1
+            assert {k: getattr(res.stats, k) for k in SAME} == {k: getattr(sim.calls[0], k) for k in SAME}, (
+                scheduler, policy)
+            steps[scheduler, policy] = res.stats.decode_steps
+    # the policies do decide: the SLA bound (about 2 rows at 3 ms) changes the schedule of some scheduler
+    assert any(steps[s, "sla"] != steps[s, "static"] for s in SCHEDULERS)
 
 
 def test_one_token_samples_take_no_decode_row(model):

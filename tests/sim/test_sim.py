@@ -17,11 +17,26 @@ from trl_infinite.sim.traces import TraceRecord, lognormal_trace, save_trace
 def test_cli_table_on_a_trace(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     save_trace(lognormal_trace(3, 16, 60, 0.8, 256, seed=1), path)
-    main(["--trace", str(path), "--slots", "4", "--json", str(tmp_path / "out.json")])
+    main(["--trace", str(path), "--max_active_sequences", "4", "--json", str(tmp_path / "out.json")])
     text = capsys.readouterr().out
     for name in ("micro_group", "fixed_slot", "dynamic_slot", "fptas", "sjf", "infinite", "seer", "oracle", "bound"):
         assert f"| {name} |" in text
     assert (tmp_path / "out.json").exists()
+
+
+def test_cli_takes_every_engine_setting_by_its_flag(tmp_path, capsys):
+    """The engine's settings are the CLI's `--<flag>` (the trainer's `rollout_<flag>`), none under another name."""
+    from trl_infinite.engine.sections import flags
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(f"--{f.name} " in text for f in flags(EngineConfig))
+    path = tmp_path / "t.jsonl"
+    save_trace(lognormal_trace(2, 8, 30, 0.5, 64, seed=3), path)
+    main(["--trace", str(path), "--max_active_sequences", "3", "--length_predictor", "group", "--chunk_tokens", "none",
+          "--kv_cache_release", "false", "--policies", "fixed_slot", "--json", str(tmp_path / "o.json")])
+    assert "g=3, predictor=group" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("prompts_per_call", [1, 2])

@@ -4,8 +4,8 @@ import pytest
 
 from trl_infinite.engine.config import EngineConfig
 from trl_infinite.engine.spec_decode.plan import StepTimes, plan, tgs_decoupled
-from trl_infinite.sim import SimConfig, simulate
-from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats
+from trl_infinite.sim import SimConfig
+from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats, simulate_speculative
 from trl_infinite.sim.traces import TraceRecord
 
 TIMES = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
@@ -17,7 +17,7 @@ def _records(p: float, g: int = 32, length: int = 200) -> list[TraceRecord]:
 
 def _run(records, **kw):
     cfg = SimConfig(engine=EngineConfig(sampling_mode="full_group", block_size=16))
-    res = simulate(records, cfg, speculation=SpecReplay(TIMES, num_tokens=6, **kw))
+    res = simulate_speculative(records, cfg, SpecReplay(TIMES, num_tokens=6, **kw))
     s = res.calls[0]
     assert res.lengths_preserved and s.generated_tokens == sum(records[0].lengths)
     return s

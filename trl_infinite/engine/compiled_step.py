@@ -13,6 +13,12 @@ its steps: the batch bucket and the sampling settings (the dispatch `key`), and 
 3. where that call compiled nothing (an entry compiled earlier matched), later calls run with only the guards that
    tell the compiled entries apart (`skip_guard_eval_unsafe`); a call those guards reject is retried with all of
    them.
+
+Steps 2 and 3 use two Dynamo hooks that are not public API (`convert_frame.register_bytecode_hook` and the
+`skip_guard_eval_unsafe` stance), so only on the torch versions they were checked on (`FAST_DISPATCH_TORCH`, the
+versions CI tests): on any other version every call is a plain guarded call of the compiled function (the same
+outputs, each step paying for the guards). The compiled function's entries (one per key) exceed Dynamo's default
+limit of 8 per function: the limit is raised only around the calls that may compile (`guarded`), and left as it was.
 """
 
 from __future__ import annotations
@@ -22,13 +28,25 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.torch_version import TorchVersion
+
+FAST_DISPATCH_TORCH = ((2, 13), (2, 14))  # torch versions [from, to) whose private Dynamo hooks steps 2-3 use
+RECOMPILE_LIMIT = 256  # compiled entries per step function: one per (batch bucket, sampling settings, ...)
+
+
+def fast_dispatch_supported(version: str = torch.__version__) -> bool:
+    """Whether this torch is one whose private hooks the direct dispatch was checked on (see the module docstring)."""
+    low, high = FAST_DISPATCH_TORCH
+    return low <= TorchVersion(version) < high and hasattr(torch._dynamo.convert_frame, "register_bytecode_hook")
 
 
 class CompiledStep:
-    """`torch.compile(method, fullgraph=True)` with per-key dispatch (see the module docstring)."""
+    """`torch.compile(method, fullgraph=True)` with per-key dispatch (see the module docstring). `fast`: use the
+    direct dispatch (default: where `fast_dispatch_supported`); False: every call guarded."""
 
-    def __init__(self, method: Callable, backend: str, options: dict | None):
+    def __init__(self, method: Callable, backend: str, options: dict | None, fast: bool | None = None):
         self.compiled = torch.compile(method, fullgraph=True, backend=backend, options=options)
+        self.fast = fast_dispatch_supported() if fast is None else fast
         self._owner = method.__self__
         self._code = method.__func__.__code__
         self._globals = method.__func__.__globals__  # where Dynamo installs the compiled graph the bytecode calls
@@ -47,7 +65,14 @@ class CompiledStep:
         direct = self._direct.get(key)
         return None if direct is None else lambda *args: direct(self._owner, *args)
 
+    def guarded(self, *args) -> Any:
+        """A call of the compiled function with every guard evaluated (compiling where none matches)."""
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)):
+            return self.compiled(*args)
+
     def __call__(self, key: tuple, *args) -> Any:
+        if not self.fast:
+            return self.guarded(*args)
         direct = self._direct.get(key)
         if direct is not None:
             return direct(self._owner, *args)
@@ -55,9 +80,10 @@ class CompiledStep:
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     return self.compiled(*args)
-            except RuntimeError as err:  # something the key does not cover changed: check everything again
-                if "Recompilation triggered" not in str(err):
-                    raise
+            except RuntimeError:
+                # the distinguishing guards rejected the call (something the key does not cover changed): call
+                # again with every guard; an error of the step itself is raised again there
+                pass
         self._checked.add(key)
         produced: list[types.CodeType] = []
 
@@ -67,7 +93,7 @@ class CompiledStep:
 
         hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
         try:
-            out = self.compiled(*args)
+            out = self.guarded(*args)
         finally:
             hook.remove()
         if produced:

@@ -16,7 +16,7 @@ from .registry import ATTENTION_BACKENDS as _BACKENDS
 from .registry import BATCH_POLICIES, DRAFTERS, PREDICTORS, SAMPLING_MODES, SCHEDULERS
 from .sampling_params import SamplingParams
 from .sections import Section, flags, section, setting, with_flags
-from .validate import boolean, choice, integer, number, positive
+from .validate import choice, integer
 
 ATTENTION_BACKENDS = ("auto", *_BACKENDS)  # "auto": Triton on CUDA when importable, else the torch reference
 SUFFIX_SOURCES = ("siblings+history", "siblings", "history")
@@ -36,12 +36,15 @@ class KVCacheConfig(Section):
     never more than the budget, and releases it at the end (`release`)."""
 
     flag_prefix = "kv_cache_"
-    tokens: int | None = setting(None, "KV pool size in tokens (all layers).", ("engine/kv_pool.py",))
+    tokens: int | None = setting(None, "KV pool size in tokens (all layers).",
+                                 ("engine/kv_pool.py", f"{_SPEC}draft_model.py", "sim/replay.py"))
     gb: float | None = setting(None, "KV pool size in GB (K and V, all layers).", ("engine/kv_pool.py",))
     fraction: float = setting(
         0.5, "Fraction of free CUDA memory for the KV pool when no explicit budget is set (with CUDA graphs, an "
-        "estimate of the captured decode step's memory is taken out of it first).", ("engine/kv_pool.py",))
-    cpu_tokens: int = setting(65536, "KV pool tokens on CPU with no budget set.", ("engine/kv_pool.py",))
+        "estimate of the captured decode step's memory is taken out of it first).", ("engine/kv_pool.py",),
+        bounds="(0, 1]")
+    cpu_tokens: int = setting(65536, "KV pool tokens on CPU with no budget set.",
+                              ("engine/kv_pool.py", f"{_SPEC}draft_model.py"))
     release: bool = setting(
         True, "Release the KV pool at the end of each `generate` call (its memory goes back to the allocator, e.g. "
         "for the training step between two rollouts); each call allocates the pool it can use (its prompts and the "
@@ -50,15 +53,9 @@ class KVCacheConfig(Section):
         "and on CUDA no re-capture of the decode graphs.", ("engine/engine.py",))
 
     def __post_init__(self) -> None:
-        integer(self.flag("tokens"), self.tokens, allow_none=True)
-        positive(self.flag("gb"), self.gb, allow_none=True)
+        super().__post_init__()
         if self.tokens is not None and self.gb is not None:
             raise ValueError("Set at most one of `kv_cache_tokens` and `kv_cache_gb`, not both.")
-        number(self.flag("fraction"), self.fraction)
-        if not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"`kv_cache_fraction` must be in (0, 1], got {self.fraction!r}.")
-        integer(self.flag("cpu_tokens"), self.cpu_tokens)
-        boolean(self.flag("release"), self.release)
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class DecodeConfig(Section):
 
     attention_backend: str = setting(
         "auto", f"Paged attention backend: one of {list(ATTENTION_BACKENDS)}.",
-        ("engine/engine.py", f"{_SPEC}draft_model.py"))
+        ("engine/engine.py", f"{_SPEC}draft_model.py"), choices=ATTENTION_BACKENDS)
     cuda_graphs: bool = setting(
         True, "On CUDA, capture the decode step (forward + sampling) in one CUDA graph per batch bucket on first use "
         "and replay it every step; recaptured when parameter storage changes. Ignored off CUDA.", ("engine/engine.py",))
@@ -93,10 +90,7 @@ class DecodeConfig(Section):
         "'inductor', or 'eager' / 'aot_eager' to debug).", ("engine/engine.py",))
 
     def __post_init__(self) -> None:
-        choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        integer("cuda_graph_max_batch", self.cuda_graph_max_batch)
-        for name in ("cuda_graphs", "compile", "cpu_decode_kernel"):
-            boolean(name, getattr(self, name))
+        super().__post_init__()
         if self.compile:
             import torch._dynamo
 
@@ -108,16 +102,11 @@ class PrefixPredictorConfig(Section):
     """The 'prefix' length predictor (also the prefix link of the 'history' chain)."""
 
     flag_prefix = "prefix_predictor_"
-    k: int = setting(16, "k: prefix tokens the 'prefix' predictor reads.", (f"{_SCHED}predictors.py",))
+    k: int = setting(16, "k: prefix tokens the 'prefix' predictor reads.", (f"{_SCHED}predictors.py", "sim/__main__.py"))
     min_train: int = setting(8, "'prefix' predictor: finished samples its head needs before it predicts.",
                              (f"{_SCHED}predictors.py",))
     l2: float | None = setting(None, "'prefix' predictor: ridge penalty of its head (None = chosen by "
                                "leave-one-prompt-out error).", (f"{_SCHED}predictors.py",))
-
-    def __post_init__(self) -> None:
-        integer(self.flag("k"), self.k)
-        integer(self.flag("min_train"), self.min_train)
-        positive(self.flag("l2"), self.l2, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -128,23 +117,18 @@ class HistoryPredictorConfig(Section):
     fallback: str = setting(
         "none", "length_predictor='history': what predicts a prompt with no history, before the mean of recent "
         "lengths: 'none', 'siblings' (this call's finished siblings, Seer), 'prefix' (the prefix head; unseen "
-        "prompts' samples probe their first k tokens) or 'siblings+prefix'.", (f"{_SCHED}history_predictor.py",))
+        "prompts' samples probe their first k tokens) or 'siblings+prefix'.",
+        (f"{_SCHED}history_predictor.py", "sim/__main__.py"),
+        choices=HISTORY_FALLBACKS)
     mean_window: int = setting(4096, "length_predictor='history': recent finished lengths behind its global mean.",
                                (f"{_SCHED}history_predictor.py",))
-
-    def __post_init__(self) -> None:
-        choice(self.flag("fallback"), self.fallback, HISTORY_FALLBACKS)
-        integer(self.flag("mean_window"), self.mean_window)
 
 
 @dataclass(frozen=True)
 class FPTASConfig(Section):
     flag_prefix = "fptas_"
-    epsilon: float = setting(0.1, "FPTAS tolerance: plan <= (1 + eps) * optimum.", (f"{_SCHED}length_aware.py",))
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.epsilon, (int, float)) or not 0.0 < self.epsilon <= 1.0:
-            raise ValueError(f"`fptas_epsilon` must be in (0, 1], got {self.epsilon!r}.")
+    epsilon: float = setting(0.1, "FPTAS tolerance: plan <= (1 + eps) * optimum.", (f"{_SCHED}length_aware.py",),
+                             bounds="(0, 1]")
 
 
 @dataclass(frozen=True)
@@ -160,17 +144,10 @@ class SLAConfig(Section):
     min_batch: int = setting(1, f"batch_policy='sla': smallest batch bound (the largest is `max_active_sequences`, "
                              f"{DEFAULT_MAX_BATCH} when None).", (f"{_SCHED}admission.py",))
     alpha: int = setting(2, "batch_policy='sla': width of the batch-size search window.", (f"{_SCHED}admission.py",))
-    delta: int = setting(1, "batch_policy='sla': step by which the window widens.", (f"{_SCHED}admission.py",))
+    delta: int = setting(1, "batch_policy='sla': step by which the window widens.", (f"{_SCHED}admission.py",),
+                         minimum=0)
     window: int = setting(4, "batch_policy='sla': decode steps measured per adjustment of the bound.",
                           (f"{_SCHED}admission.py",))
-
-    def __post_init__(self) -> None:
-        positive(self.flag("decode_ms"), self.decode_ms, allow_none=True)
-        positive(self.flag("tolerance_ms"), self.tolerance_ms, allow_none=True)
-        integer(self.flag("min_batch"), self.min_batch)
-        integer(self.flag("alpha"), self.alpha)
-        integer(self.flag("delta"), self.delta, minimum=0)
-        integer(self.flag("window"), self.window)
 
 
 @dataclass(frozen=True)
@@ -180,16 +157,10 @@ class MemoryConfig(Section):
     flag_prefix = "memory_"
     eps: float = setting(
         0.05, "batch_policy='memory': eps_m, the probability that the running samples outgrow the pool (the safety "
-        "buffer is Phi^-1(1 - eps_m) standard deviations).", (f"{_SCHED}admission.py",))
+        "buffer is Phi^-1(1 - eps_m) standard deviations).", (f"{_SCHED}admission.py",), bounds="(0, 1)")
     min_observations: int = setting(
         4, "batch_policy='memory': finished samples before their length statistics are used (until then every "
         "sample is assumed to reach `max_new_tokens`).", (f"{_SCHED}admission.py",))
-
-    def __post_init__(self) -> None:
-        number(self.flag("eps"), self.eps)
-        if not 0.0 < self.eps < 1.0:
-            raise ValueError(f"`memory_eps` must be in (0, 1), got {self.eps!r}.")
-        integer(self.flag("min_observations"), self.min_observations)
 
 
 @dataclass(frozen=True)
@@ -198,25 +169,26 @@ class SchedulingConfig(Section):
     with their options, the length predictor, divided rollout."""
 
     sampling_mode: str = setting(
-        "fixed_slot", f"How samples share the decode batch: one of {list(SAMPLING_MODES)}.", ("engine/call.py",))
+        "fixed_slot", f"How samples share the decode batch: one of {list(SAMPLING_MODES)}.", ("engine/call.py",),
+        choices=SAMPLING_MODES)
     max_active_sequences: int | None = setting(
         32, "g: decode slots (micro-group size) of `micro_group` and `fixed_slot`. `full_group` runs every sample at "
         "once and `dynamic_slot` as many as memory allows, so both ignore it.",
-        ("engine/sampling_modes.py", "engine/config.py", "trainer/trainer.py"))  # config.py: `max_batch`
+        ("engine/sampling_modes.py", f"{_SCHED}admission.py", "sim/replay.py", "sim/__main__.py", "trainer/trainer.py"))
     scheduler: str = setting(
         "lfs", "Order in which pending samples take free slots. Default 'lfs' with the 'history' predictor: prompts "
         "that produced longer completions on earlier visits start first (FIFO order for prompts never seen); chosen "
-        "from the simulator on recorded traces (benchmarks/RESULTS.md).", ("engine/call.py",))
-    batch_policy: str = setting("static", "How many samples run at once.", ("engine/call.py",))
+        "from the simulator on recorded traces (benchmarks/RESULTS.md).", ("engine/call.py",), choices=SCHEDULERS)
+    batch_policy: str = setting("static", "How many samples run at once.", ("engine/call.py",), choices=BATCH_POLICIES)
     length_predictor: object = setting(
         "history", "Length predictor of length-aware schedulers (sjf, lfs, lrf, fptas, infinite): 'history' (the "
         "prompt's lengths on earlier calls, then `history_fallback`, then the mean of recent lengths), 'prefix' "
         "(online regression head on the policy's hidden state at completion token k), 'group', 'oracle' (forced "
         "lengths; benchmarks), 'none', a callable (prompt_ids, prefix_ids) -> length, or a sequence-classification "
-        "model.", (f"{_SCHED}predictors.py",))
+        "model.", (f"{_SCHED}predictors.py", "sim/__main__.py"))
     chunk_tokens: int | None = setting(
         None, "Divided rollout: a sample decodes at most this many tokens, then returns to the queue with its KV kept "
-        "(moved to host memory when the pool needs room). None = off.", ("engine/call.py",))
+        "(moved to host memory when the pool needs room). None = off.", ("engine/call.py", "sim/__main__.py"))
     prefix_predictor: PrefixPredictorConfig = section(PrefixPredictorConfig)
     history_predictor: HistoryPredictorConfig = section(HistoryPredictorConfig)
     fptas: FPTASConfig = section(FPTASConfig)
@@ -224,17 +196,13 @@ class SchedulingConfig(Section):
     memory: MemoryConfig = section(MemoryConfig)
 
     def __post_init__(self) -> None:
-        SAMPLING_MODES.check(self.sampling_mode)
-        integer("max_active_sequences", self.max_active_sequences, allow_none=True)
+        super().__post_init__()  # registry names only: the plug-ins are imported when the engine builds them
         if self.max_active_sequences is None and SAMPLING_MODES.get_or_raise(self.sampling_mode).uses_slots:
             raise ValueError(
                 f"`max_active_sequences` must be a positive integer for sampling_mode={self.sampling_mode!r}."
             )
-        SCHEDULERS.check(self.scheduler)  # names only: the plug-ins are imported when the engine builds them
-        BATCH_POLICIES.check(self.batch_policy)
         if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
-            PREDICTORS.check(self.length_predictor)
-        integer("chunk_tokens", self.chunk_tokens, allow_none=True)
+            choice("length_predictor", self.length_predictor, PREDICTORS)
         if self.batch_policy == "sla":
             if self.sla.decode_ms is None:
                 raise ValueError("`batch_policy='sla'` needs `sla_decode_ms` (target decode step latency in ms).")
@@ -253,21 +221,14 @@ class SuffixConfig(Section):
     flag_prefix = "speculative_suffix_"
     sources: str = setting(
         "siblings+history", f"Texts the 'suffix' drafter matches: one of {list(SUFFIX_SOURCES)} ('history' = the "
-        "prompt's completions from earlier calls, kept in the engine's per-prompt history).", (f"{_SPEC}suffix.py",))
+        "prompt's completions from earlier calls, kept in the engine's per-prompt history).", (f"{_SPEC}suffix.py",),
+        choices=SUFFIX_SOURCES)
     max_depth: int = setting(24, "'suffix' drafter: depth of its suffix trie (longest match and draft).",
                              (f"{_SPEC}suffix.py",))
     min_confidence: float = setting(0.1, "'suffix' drafter: a draft stops where the product of its tokens' "
-                                    "frequency shares falls below this.", (f"{_SPEC}suffix.py",))
+                                    "frequency shares falls below this.", (f"{_SPEC}suffix.py",), bounds="[0, 1]")
     min_match: int = setting(1, "'suffix' drafter: shortest matched context (tokens) that may draft.",
                              (f"{_SPEC}suffix.py",))
-
-    def __post_init__(self) -> None:
-        choice(self.flag("sources"), self.sources, SUFFIX_SOURCES)
-        integer(self.flag("max_depth"), self.max_depth)
-        integer(self.flag("min_match"), self.min_match)
-        number(self.flag("min_confidence"), self.min_confidence)
-        if not 0.0 <= self.min_confidence <= 1.0:
-            raise ValueError(f"`speculative_suffix_min_confidence` must be in [0, 1], got {self.min_confidence!r}.")
 
 
 @dataclass(frozen=True)
@@ -277,7 +238,7 @@ class NgramConfig(Section):
     min_n: int = setting(2, "'ngram' drafter: shortest n-gram matched.", (f"{_SPEC}ngram.py",))
 
     def __post_init__(self) -> None:
-        integer(self.flag("min_n"), self.min_n)
+        super().__post_init__()
         integer(self.flag("max_n"), self.max_n, minimum=self.min_n)
 
 
@@ -285,10 +246,7 @@ class NgramConfig(Section):
 class BestOfNConfig(Section):
     flag_prefix = "speculative_best_of_n_"
     tail_batch: int = setting(4, "'best_of_n' drafter: batch size at or below which costly members (a draft "
-                              "model) draft for every sample (the tail).", (f"{_SPEC}best_of_n.py",))
-
-    def __post_init__(self) -> None:
-        integer(self.flag("tail_batch"), self.tail_batch, minimum=0)
+                              "model) draft for every sample (the tail).", (f"{_SPEC}best_of_n.py",), minimum=0)
 
 
 @dataclass(frozen=True)
@@ -298,41 +256,37 @@ class SpeculativeConfig(Section):
     flag_prefix = "speculative_"
     method: str | None = setting(
         None, "Speculative drafter: None (off), 'suffix', 'ngram', 'draft_model', 'best_of_n' or a registered name. "
-        "Verification is lossless (greedy output is token-identical).", ("engine/engine.py", f"{_SPEC}step.py"))
-    num_tokens: int = setting(5, "Most draft tokens verified per sample and step (k).", (f"{_SPEC}step.py",))
+        "Verification is lossless (greedy output is token-identical).", ("engine/engine.py", f"{_SPEC}speculator.py"),
+        choices=DRAFTERS)
+    num_tokens: int = setting(5, "Most draft tokens verified per sample and step (k).", (f"{_SPEC}speculator.py",))
     draft_model: object = setting(
-        None, "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n').", (f"{_SPEC}step.py",))
+        None, "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n').", (f"{_SPEC}speculator.py",))
     adaptive: bool = setting(
         True, "Per-sample draft length from recent acceptance and a batch switch from an online cost model "
         "(speculation off while the batch is large). False = always draft `speculative_num_tokens`.",
-        (f"{_SPEC}step.py",))
+        (f"{_SPEC}speculator.py",))
     decoupled: bool = setting(
         False, "Decoupled speculation (SpecActor §4.1): the drafter drafts the next window on its own thread (its "
         "own CUDA stream on GPU) while the verification forward runs, assuming its drafts are accepted; the window "
         "and the coupled fallback are planned by the TGS model, per request (Alg. 1, 2). Lossless as coupled.",
-        (f"{_SPEC}step.py", f"{_SPEC}decoupled.py"))
+        (f"{_SPEC}speculator.py",))
     draft_window: int | None = setting(
         None, "Decoupled speculation: drafting window w (drafts verified per sample and step, <= "
         "`speculative_num_tokens`). None = chosen by the TGS plan from measured step times and acceptance.",
-        (f"{_SPEC}decoupled.py",))
+        (f"{_SPEC}speculator.py",))
     reconfigure_every: int = setting(
-        16, "Decoupled speculation: decode steps between per-request reconfigurations (Alg. 2: samples below the mean "
-        "acceptance get a smaller window or coupled execution). 0 = never.", (f"{_SPEC}decoupled.py",))
+        16, "Decoupled speculation: decode steps between re-plans at the current batch, each followed by the per-request "
+        "reconfiguration (Alg. 2: samples below the mean acceptance get a smaller window or coupled execution). "
+        "0 = plan once.", (f"{_SPEC}speculator.py",), minimum=0)
     suffix: SuffixConfig = section(SuffixConfig)
     ngram: NgramConfig = section(NgramConfig)
     best_of_n: BestOfNConfig = section(BestOfNConfig)
 
     def __post_init__(self) -> None:
-        if self.method is not None:
-            DRAFTERS.check(self.method)
-        integer(self.flag("num_tokens"), self.num_tokens)
-        boolean(self.flag("adaptive"), self.adaptive)
-        boolean(self.flag("decoupled"), self.decoupled)
-        integer(self.flag("draft_window"), self.draft_window, allow_none=True)
+        super().__post_init__()
         if self.draft_window is not None and self.draft_window > self.num_tokens:
             raise ValueError(f"`speculative_draft_window` must be <= `speculative_num_tokens` ({self.num_tokens}), "
                              f"got {self.draft_window!r}.")
-        integer(self.flag("reconfigure_every"), self.reconfigure_every, minimum=0)
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
 
@@ -344,15 +298,15 @@ class HistoryConfig(Section):
     flag_prefix = "history_"
     max_prompts: int = setting(
         4096, "Per-prompt history across `generate` calls (length prediction, drafts): most prompts kept, least "
-        "recently visited dropped first. 0 = no history.", ("engine/history.py",))
-    max_visits: int = setting(2, "Visits (calls) remembered per prompt, most recent kept.", ("engine/history.py",))
+        "recently visited dropped first. 0 = no history.", ("engine/history.py",), minimum=0)
+    max_visits: int = setting(2, "Visits (calls) remembered per prompt, most recent kept.", ("engine/history.py",),
+                              minimum=0)
     max_tokens: int = setting(
         2_000_000, "Most completion token ids the history keeps for drafts (int32, oldest visits dropped first; their "
-        "lengths stay). 0 = lengths only.", ("engine/history.py",))
+        "lengths stay). 0 = lengths only.", ("engine/history.py",), minimum=0)
 
     def __post_init__(self) -> None:
-        for name in ("max_prompts", "max_visits", "max_tokens"):
-            integer(self.flag(name), getattr(self, name), minimum=0)
+        super().__post_init__()
         if self.max_prompts > 0 and self.max_visits < 1:
             raise ValueError(f"`history_max_visits` must be >= 1 while `history_max_prompts` > 0, got "
                              f"{self.max_visits!r}.")
@@ -370,7 +324,7 @@ class EngineConfig(Section):
     """
 
     block_size: int = setting(16, "Tokens per KV block.", ("engine/kv_pool.py", "engine/call.py",
-                                                            f"{_SPEC}draft_model.py"))
+                                                            f"{_SPEC}draft_model.py", "sim/replay.py"))
     max_prefill_tokens: int = setting(
         4096, "Most prompt/recompute tokens run through the model in one prefill forward.", ("engine/engine.py",))
     kv_cache: KVCacheConfig = section(KVCacheConfig)
@@ -392,6 +346,3 @@ class EngineConfig(Section):
             raise TypeError(f"EngineConfig() got an unexpected keyword argument {name!r}{hint}")
         self.__post_init__()
 
-    def __post_init__(self) -> None:
-        integer("block_size", self.block_size)
-        integer("max_prefill_tokens", self.max_prefill_tokens)

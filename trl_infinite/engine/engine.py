@@ -79,7 +79,7 @@ class RolloutEngine:
                     self.pool.release()
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
-        self.history = PromptHistory.from_config(self.config.history)
+        self.history = PromptHistory(self.config.history)
         # one length predictor per engine: it keeps learning from every call's finished samples
         self.predictor = build_predictor(self.config.scheduling, self.history)
         self.speculator = None

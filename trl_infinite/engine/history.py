@@ -16,12 +16,9 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from .config import HistoryConfig
 from .sequence import Group
-
-if TYPE_CHECKING:
-    from .config import HistoryConfig
 
 
 @dataclass
@@ -47,22 +44,14 @@ def prompt_key(prompt_ids) -> bytes:
 
 
 class PromptHistory:
-    """Bounded LRU of per-prompt visits (see module docstring). `max_prompts=0` keeps nothing."""
+    """Bounded LRU of per-prompt visits (see module docstring), as `config` (`EngineConfig.history`, validated
+    there; default: its defaults) bounds it. `max_prompts=0` keeps nothing."""
 
-    def __init__(self, max_prompts: int = 4096, max_visits: int = 2, max_tokens: int = 2_000_000):
-        for name, value in (("max_prompts", max_prompts), ("max_visits", max_visits), ("max_tokens", max_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"`history_{name}` must be an integer >= 0, got {value!r}.")
-        if max_visits < 1 and max_prompts > 0:
-            raise ValueError(f"`history_max_visits` must be >= 1 when history is on, got {max_visits!r}.")
-        self.max_prompts, self.max_visits, self.max_tokens = max_prompts, max_visits, max_tokens
+    def __init__(self, config: HistoryConfig | None = None):
+        config = config or HistoryConfig()
+        self.max_prompts, self.max_visits, self.max_tokens = config.max_prompts, config.max_visits, config.max_tokens
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._num_tokens = 0
-
-    @classmethod
-    def from_config(cls, config: HistoryConfig) -> PromptHistory:
-        """The history `config` (`EngineConfig.history`) describes."""
-        return cls(config.max_prompts, config.max_visits, config.max_tokens)
 
     # ------------------------------------------------------------------ reading
     def visits(self, prompt_ids) -> list[PromptVisit]:

@@ -13,6 +13,7 @@ the record into a verdict.
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +58,9 @@ class ProbeRecord:
     error: BaseException | None = None
 
 
-_ACTIVE: list[ProbeRecord] = []  # the record of the probe forward in progress (kwargs may not reach the function)
+# the record of the probe forward in progress, for this thread / context only (kwargs may not reach the function);
+# set for the forward and reset after it, so nothing is left behind
+_ACTIVE: ContextVar[ProbeRecord] = ContextVar("trl_infinite_probe_record")
 
 
 def _as_bool_mask(mask: torch.Tensor | None, num_tokens: int) -> tuple[torch.Tensor | None, bool]:
@@ -76,7 +79,7 @@ def _as_bool_mask(mask: torch.Tensor | None, num_tokens: int) -> tuple[torch.Ten
 
 def _probe_attention(module, query, key, value, attention_mask, paged_ctx=None, **kwargs):
     """Records the call, then plain masked attention with the model's own mask: ([1, N, H, Dv], None)."""
-    record = _ACTIVE[-1]
+    record = _ACTIVE.get()
     num = query.shape[2]
     mask, per_head = _as_bool_mask(attention_mask, key.shape[2])
     record.calls.append(AttentionCall(
@@ -119,12 +122,12 @@ def record_attention_calls(model: torch.nn.Module, input_ids: torch.Tensor) -> P
     """One forward of `input_ids` ([1, N]) through the recording attention function."""
     record = ProbeRecord(num_tokens=input_ids.shape[1])
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    _ACTIVE.append(record)
+    token = _ACTIVE.set(record)
     try:
         with attention_implementation(model, PROBE_ATTENTION_NAME):
             model(input_ids=input_ids, position_ids=positions, use_cache=False, paged_ctx=record, logits_to_keep=1)
     except Exception as exc:  # noqa: BLE001  (the verdict reports it, naming the model)
         record.error = exc
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.reset(token)
     return record

@@ -52,16 +52,11 @@ class Registry(Generic[T]):
         return self.get_or_raise(name)(*args, **kwargs)
 
     def get_or_raise(self, name: str) -> T:
-        if name not in self._loaded and isinstance(name, str) and name in self._lazy:
-            importlib.import_module(self._lazy[name])
-        if name not in self._loaded:
-            raise ValueError(f"`{self.field}` must be one of {self.names()}, got {name!r}.")
-        return self._loaded[name]
-
-    def check(self, name: str) -> None:
-        """`ValueError` naming the field and the choices unless `name` is registered (nothing is imported)."""
         if name not in self:
             raise ValueError(f"`{self.field}` must be one of {self.names()}, got {name!r}.")
+        if name not in self._loaded:
+            importlib.import_module(self._lazy[name])
+        return self._loaded[name]
 
     def names(self) -> list[str]:
         """The built-in names in the order they are listed, then the registered ones in registration order."""
@@ -72,9 +67,6 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
-
-    def __len__(self) -> int:
-        return len(self.names())
 
 
 _ENGINE = "trl_infinite.engine"

@@ -114,7 +114,7 @@ class Scheduler:
         preempt a running sample (possibly itself). Returns False when the requester itself was preempted."""
         if self._offload_one(keep=requester):
             return True
-        idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done]
+        idle = self._idle_prompts()
         if idle:
             self._evict_prompt(idle[-1])
             return True
@@ -140,7 +140,8 @@ class Scheduler:
             need += self.mode.headroom(len(self.running))
             view.free_blocks = self.allocator.num_free
             if not self.running and not self.allocator.can_allocate(need):
-                self._evict_idle_except(group)  # nothing runs: idle prompts must make way for progress
+                for idle in self._idle_prompts(keep=group):  # nothing runs: idle prompts make way for progress
+                    self._evict_prompt(idle)
                 while not self.allocator.can_allocate(need) and self._offload_one(keep=seq):
                     pass  # ... and so must parked samples' KV
                 view.free_blocks = self.allocator.num_free
@@ -151,11 +152,9 @@ class Scheduler:
                 continue
             self._start(seq, batch, lookahead)
 
-    def _evict_idle_except(self, keep: Group) -> bool:
-        idle = [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
-        for g in idle:
-            self._evict_prompt(g)
-        return bool(idle)
+    def _idle_prompts(self, keep: Group | None = None) -> list[Group]:
+        """Prompts whose blocks are resident while none of their samples runs (and some still will)."""
+        return [g for g in self.groups if g.resident and g.num_running == 0 and not g.done and g is not keep]
 
     def _start(self, seq: Sequence, batch: ScheduledBatch, lookahead: int) -> None:
         group = seq.group

@@ -2,9 +2,9 @@
 
 A `Section` is a frozen dataclass of settings; `flag_prefix` + a field's name is the setting's *flag*: the keyword of
 the flat form `EngineConfig(kv_cache_tokens=...)`, the trainer field `rollout_kv_cache_tokens`, the name every
-`ValueError` about it gives. Each setting is declared with `setting(default, help, readers)`: `readers` names the
-modules (under `trl_infinite/`) that read it (`tests/engine/test_config.py` checks they do, and that nothing else
-reads it through its section); a nested section with `section(Cls)`.
+`ValueError` about it gives. Each setting is declared with `setting(default, help, readers, ...)`: `readers` names
+the modules (under `trl_infinite/`) that read it (`tests/engine/test_config.py` checks they do, and that nothing else
+reads it through its section); the rest, what its value is checked against. A nested section is `section(Cls)`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .validate import boolean, choice, integer, within
+
 
 @dataclass(frozen=True)
 class Section:
@@ -20,14 +22,35 @@ class Section:
 
     flag_prefix: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        """Each setting checked against its declaration (`setting`) and type: `bool`, `int` (>= `minimum`), `float`
+        (finite, in `bounds`), `| None` allowing None; a `ValueError` names the flag. Sections add the checks that
+        involve several settings after this one."""
+        for f in dataclasses.fields(self):
+            meta, value, name, optional = f.metadata, getattr(self, f.name), self.flag(f.name), "None" in f.type
+            if "readers" not in meta or (value is None and optional):
+                continue
+            if meta["choices"] is not None:
+                choice(name, value, meta["choices"])
+            elif f.type.startswith("bool"):
+                boolean(name, value)
+            elif f.type.startswith("int"):
+                integer(name, value, meta["minimum"], optional)
+            elif f.type.startswith("float"):
+                within(name, value, meta["bounds"], optional)
+
     def flag(self, name: str) -> str:
         """The user-facing name of this section's setting `name` (`ValueError`s name it)."""
         return self.flag_prefix + name
 
 
-def setting(default: Any, help: str, readers: tuple[str, ...]) -> Any:
-    """A setting: its default, its help (the trainer flag's too) and the modules that read it."""
-    return field(default=default, metadata={"help": help, "readers": readers})
+def setting(default: Any, help: str, readers: tuple[str, ...], minimum: int = 1, bounds: str | None = None,
+            choices=None) -> Any:
+    """A setting: its default, its help (the trainer flag's too), the modules that read it, and what its value is
+    checked against: `minimum` (an `int`), `bounds` (a `float`: an interval such as "(0, 1]"; None: > 0), `choices`
+    (a tuple, or a plug-in registry: its names)."""
+    return field(default=default, metadata={"help": help, "readers": readers, "minimum": minimum, "bounds": bounds,
+                                            "choices": choices})
 
 
 def section(cls: type) -> Any:
@@ -52,11 +75,6 @@ class Flag:
     def default(self) -> Any:
         return self.field.default
 
-    def get(self, config) -> Any:
-        for name in self.path:
-            config = getattr(config, name)
-        return config
-
 
 def flags(cls: type, path: tuple[str, ...] = ()) -> list[Flag]:
     """Every setting of `cls` and of its nested sections, depth first in declaration order."""
@@ -77,17 +95,12 @@ def with_flags(cls: type, given: dict[str, Any], values: dict[str, Any]) -> dict
     out = {}
     for f in dataclasses.fields(cls):
         sub = f.metadata.get("section")
+        current = given.get(f.name, f.default if sub is None else None)
         if sub is None:
-            flag = cls.flag_prefix + f.name
-            out[f.name] = values.pop(flag) if flag in values else given.get(f.name, f.default)
-            continue
-        current = given.get(f.name)
-        inner = {g.name: getattr(current, g.name) for g in dataclasses.fields(sub)} if current is not None else {}
-        names = {g.name for g in flags(sub)}
-        if current is not None and not names & values.keys():
-            out[f.name] = current
-        elif current is None and not names & values.keys():
-            out[f.name] = sub()
-        else:
+            out[f.name] = values.pop(cls.flag_prefix + f.name, current)
+        elif any(g.name in values for g in flags(sub)):
+            inner = {} if current is None else {g.name: getattr(current, g.name) for g in dataclasses.fields(sub)}
             out[f.name] = sub(**with_flags(sub, inner, values))
+        else:
+            out[f.name] = sub() if current is None else current
     return out

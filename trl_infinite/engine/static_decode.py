@@ -77,8 +77,8 @@ class Decoded:
 class StaticDecoder:
     """Runs decode steps on the static path for one engine (its model, pool and backend)."""
 
-    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool, compile_backend: str = "inductor",
-                 max_graph_rows: int = 256):
+    def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool, compile_backend: str,
+                 max_graph_rows: int):
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.pool.block_size
@@ -108,8 +108,6 @@ class StaticDecoder:
             options = ({"cpp_wrapper": True, "size_asserts": False}
                        if compile_backend == "inductor" and self.device.type == "cpu" else None)
             self._compiled = CompiledStep(self._step, compile_backend, options)
-            # one graph per (bucket, sampling settings): more than dynamo's default of 8 entries per function
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
     # ------------------------------------------------------------------ per call
     def begin(self, sampler: Sampler, seed: int, capacity: int, prompt_blocks: int, own_blocks: int,
@@ -266,7 +264,7 @@ class StaticDecoder:
             if not compiled or self._compiled is None:
                 return self._step(*args)
             entry = self._compiled.entry(self._compile_key(args))
-            return entry(*args) if entry is not None else self._compiled.compiled(*args)
+            return entry(*args) if entry is not None else self._compiled.guarded(*args)
 
     def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed, group_slot,
               group_prefix):

@@ -42,3 +42,13 @@ def positive(name: str, value, allow_none: bool = False, allow_zero: bool = Fals
 def boolean(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+
+
+def within(name: str, value, bounds: str | None, allow_none: bool = False) -> None:
+    """A finite number in `bounds` (an interval written as "(0, 1]", "[0, 1]", ...), or > 0 where None."""
+    if bounds is None:
+        return positive(name, value, allow_none)
+    number(name, value)
+    low, high = (float(x) for x in bounds[1:-1].split(","))
+    if not ((value >= low if bounds[0] == "[" else value > low) and (value <= high if bounds[-1] == "]" else value < high)):
+        raise ValueError(f"`{name}` must be in {bounds}, got {value!r}.")

@@ -1,7 +1,12 @@
 """`python -m trl_infinite.sim --trace T.jsonl [...]`: decode steps of every sampling mode / scheduler on a trace.
 
-Rows (B = --prompts-per-call prompts per engine call, G from the trace, g = --slots): micro_group / fixed_slot /
-dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --predictor, and lrf with divided
+The engine's settings are its flags (`--max_active_sequences 4`, `--block_size 16`, `--history_fallback prefix`:
+the trainer's `rollout_<flag>`, `EngineConfig(<flag>=...)`); here `max_active_sequences` defaults to 4 and
+`length_predictor` (the length-aware rows' predictor) to 'oracle'.
+
+Rows (B = --prompts-per-call prompts per engine call, G from the trace, g = --max_active_sequences): micro_group /
+fixed_slot / dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --length_predictor,
+and lrf with divided
 rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths,
 the paper's Infinite-sampling*) and "bound" (sum over engine calls of max(longest, total work / g), which no g-slot
 schedule beats). With --random-orders R, "fifo_random_order" is fixed_slot FIFO averaged over R random orders of
@@ -11,7 +16,7 @@ order of exchangeable samples; the gap to "bound" is what only per-sample inform
 engine's per-prompt history carried across calls; the table counts the calls of --eval-epochs only (default: the
 last epoch), so the second epoch is scheduled with what the first one taught. With --prefix-mae (needs the SmolLM2
 weights and traces with prefix ids) it also reports the prefix predictor's leave-one-prompt-out mean absolute error
-at each k, and --predictor prefix uses those features in the replay.
+at each k, and --length_predictor prefix uses those features in the replay.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import json
 import random
 from dataclasses import dataclass, replace
 
-from ..engine.config import HISTORY_FALLBACKS, EngineConfig
-from ..engine.registry import PREDICTORS
+from ..engine.config import EngineConfig
+from ..engine.sections import flags
 from .replay import SimConfig, simulate
 from .traces import TraceRecord, load_trace
 
@@ -126,37 +131,43 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(out)
 
 
+SIM_DEFAULTS = {"max_active_sequences": 4, "length_predictor": "oracle"}  # where the CLI's differ from the engine's
+
+
+def _parser(kind: str):
+    """The command-line parser of an `EngineConfig` setting of type `kind` ("none" for None where allowed)."""
+    base = {"bool": lambda v: {"true": True, "false": False}.get(v.lower(), v), "int": int, "float": float}
+    parse = base.get(kind.split(" ")[0], str)
+    return (lambda v: None if v.lower() == "none" else parse(v)) if "None" in kind else parse
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", nargs="+", required=True, help="JSONL trace files (trl_infinite.sim.traces format).")
-    p.add_argument("--slots", type=int, default=4, help="g: decode slots (micro-group size).")
     p.add_argument("--prompts-per-call", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--predictor", default="oracle", choices=sorted(PREDICTORS))
-    p.add_argument("--prefix-k", type=int, default=16)
-    p.add_argument("--fptas-epsilon", type=float, default=0.1)
-    p.add_argument("--chunk-tokens", type=int, default=None, help="Divided rollout for every row (default off).")
     p.add_argument("--row-chunk-tokens", type=int, default=128, help="Chunk of the `+chunks` rows.")
     p.add_argument("--policies", nargs="+", default=None, help=f"Rows to run (default all): "
                    f"{[r.label for r in ROWS]}; `oracle` and `bound` are always added.")
     p.add_argument("--eval-epochs", nargs="+", type=int, default=None,
                    help="Epochs whose calls are counted (default: the trace's last; earlier ones only teach).")
-    p.add_argument("--history-visits", type=int, default=2, help="Visits per prompt the history keeps (0 = none).")
-    p.add_argument("--history-fallback", default="none", choices=HISTORY_FALLBACKS,
-                   help="length_predictor=history: links between the history and the mean (`history_fallback`).")
     p.add_argument("--prefix-mae", nargs="*", type=int, default=None, help="Report the prefix predictor MAE at "
-                   "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct.")
+                   "these k (e.g. 1 4 16 32); loads SmolLM2-135M-Instruct (developer option: needs a source checkout, "
+                   "for `trl_infinite.testing`).")
     p.add_argument("--random-orders", type=int, default=0, help="Add the fifo_random_order row, averaged over this "
                    "many random orders of each prompt's samples (0: no such row).")
     p.add_argument("--json", default=None, help="Write every row as JSON here.")
+    settings = p.add_argument_group("engine settings (EngineConfig flags; the engine's defaults but SIM_DEFAULTS)")
+    for flag in flags(EngineConfig):
+        settings.add_argument(f"--{flag.name}", type=_parser(flag.field.type), default=argparse.SUPPRESS,
+                              help=flag.field.metadata["help"].replace("%", "%%"))
     args = p.parse_args(argv)
     if args.random_orders < 0:
         raise ValueError(f"`--random-orders` must be >= 0 (0: no fifo_random_order row), got {args.random_orders}.")
-    engine = EngineConfig(max_active_sequences=args.slots, block_size=args.block_size, scheduler="fifo",
-                          prefix_predictor_k=args.prefix_k, fptas_epsilon=args.fptas_epsilon,
-                          chunk_tokens=args.chunk_tokens, history_max_prompts=4096 if args.history_visits else 0,
-                          history_max_visits=max(1, args.history_visits), history_fallback=args.history_fallback)
+    names = {f.name for f in flags(EngineConfig)}
+    engine = EngineConfig(**{**SIM_DEFAULTS, **{k: v for k, v in vars(args).items() if k in names}})
     base = SimConfig(engine, prompts_per_call=args.prompts_per_call)
+    scheduling = engine.scheduling
+    predictor, prefix_k = scheduling.length_predictor, scheduling.prefix_predictor.k
     rows = [r for r in ROWS if args.policies is None or r.label in args.policies]
     if args.policies is not None and len(rows) != len(set(args.policies)):
         raise ValueError(f"`--policies` must name rows of {[r.label for r in ROWS]}, got {args.policies}.")
@@ -164,25 +175,25 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.trace:
         records = load_trace(path)
         feats, maes = None, {}
-        if args.prefix_mae is not None or args.predictor == "prefix" or "prefix" in (
-                args.history_fallback if args.predictor == "history" else ""):
+        if args.prefix_mae is not None or predictor == "prefix" or "prefix" in (
+                scheduling.history_predictor.fallback if predictor == "history" else ""):
             from ..testing.offline_models import load_smollm2
             from .prefix_eval import evaluate_mae, features
 
             model, _ = load_smollm2()
-            ks = sorted(set((args.prefix_mae or []) + [args.prefix_k]))
+            ks = sorted(set((args.prefix_mae or []) + [prefix_k]))
             allf = features(records, model.eval(), ks)
             maes = {k: evaluate_mae(records, allf[k]) for k in (args.prefix_mae or [])}
-            feats = allf[args.prefix_k]
+            feats = allf[prefix_k]
         epochs = eval_epochs(records, args.eval_epochs)
-        table = run_table(records, base, args.predictor, feats, rows, epochs, args.row_chunk_tokens,
+        table = run_table(records, base, predictor, feats, rows, epochs, args.row_chunk_tokens,
                           args.random_orders)
         name = records[0].dataset or path
         counted = [r for r in records if r.epoch in epochs]
         g = len(records[0].lengths)
         print(markdown(table, f"{name}: {len(counted)} prompts x G={g} in epoch(s) {sorted(epochs)} "
-                       f"({table[0]['calls']} calls of {args.prompts_per_call}), g={args.slots}, "
-                       f"predictor={args.predictor}"))
+                       f"({table[0]['calls']} calls of {args.prompts_per_call}), g={scheduling.max_active_sequences}, "
+                       f"predictor={predictor}"))
         for k, m in maes.items():
             print(f"prefix predictor k={k}: MAE {m['mae']:.1f} tokens (constant-mean baseline "
                   f"{m['baseline_mae']:.1f}, {m['samples']} samples, leave-one-prompt-out)")

@@ -23,8 +23,10 @@ import random
 from dataclasses import dataclass
 
 from ..engine.batch import ScheduledBatch, StepOutput
+from ..engine.outputs import RolloutStats
 from ..engine.spec_decode.plan import COUPLED, DECOUPLED, Plan, StepTimes, best_coupled, plan, reconfigure
-from .replay import TraceExecutor
+from .replay import SimConfig, SimResult, TraceExecutor, simulate
+from .traces import TraceRecord
 
 MODES = ("none", "coupled", "decoupled")
 
@@ -72,6 +74,9 @@ class SpeculativeTraceExecutor(TraceExecutor):
 
     def lookahead(self, num_running: int) -> int:
         return 0 if self.replay.mode == "none" else self.replay.num_tokens
+
+    def end_call(self, stats: RolloutStats) -> None:
+        stats.extra["sim_seconds"] = self.seconds
 
     def _p(self, seq) -> float:
         return self.acceptance.get((self.prompt_index[seq.group_id], seq.sample_idx), 0.5)
@@ -129,3 +134,13 @@ class SpeculativeTraceExecutor(TraceExecutor):
         out.tokens = [[0] * n for n in tokens]
         out.logprobs = [[0.0] * n for n in tokens]
         return out
+
+
+def simulate_speculative(records: list[TraceRecord], config: SimConfig, replay: SpecReplay) -> SimResult:
+    """`simulate` with speculation replayed on the records' `acceptance` (one probability per sample)."""
+
+    def factory(chunk: list[TraceRecord], index: dict[int, int]) -> SpeculativeTraceExecutor:
+        acceptance = {(rec.prompt_index, i): p for rec in chunk for i, p in enumerate(rec.extra["acceptance"])}
+        return SpeculativeTraceExecutor(replay, acceptance, index)
+
+    return simulate(records, config, executor_factory=factory)

@@ -202,20 +202,23 @@ _ISA_FLAGS = {
                "-mavx512bw", "-mfma"],
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
-# floats per vector of the build: the head dims must be multiples (0 until built: nothing is supported)
-_vector_floats = 0
 
 
 def vector_floats() -> int:
-    """Floats per vector of the kernel as it is (or would be) built on this CPU, known without building it."""
+    """Floats per vector of the kernel as it is (or would be) built on this CPU, known without building it: the
+    head dims it serves are multiples of it."""
     return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+
+
+# a constant of this CPU (read by `supports` inside compiled steps, where the call above would not trace)
+VECTOR_FLOATS = vector_floats()
 
 
 @functools.cache
 def build() -> bool:
     """Compile and register the operator once per process (the build itself is cached on disk). False, with one
-    warning, when it cannot be built (no compiler, no ninja, ...): `supports` then says no to every call."""
-    global _vector_floats
+    warning, when it cannot be built (no compiler, no ninja, ...); the caller then keeps the torch path. Only a
+    successful build puts the kernel in front of a backend (`with_kernel`)."""
     isa = torch.backends.cpu.get_cpu_capability()
     try:
         torch.ops.trl_infinite.paged_decode_attention  # noqa: B018  (registered by another copy of this module)
@@ -236,25 +239,23 @@ def build() -> bool:
                   window, chunk):
             return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[2])
 
-    _vector_floats = vector_floats()
     return True
 
 
 def _fits(dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
-    """Built (`build`), float32, and head dims that are multiples of the build's vector width."""
-    return _vector_floats > 0 and dtype == torch.float32 and all(d % _vector_floats == 0 for d in dims)
+    """Float32, and head dims that are multiples of the build's vector width."""
+    return dtype == torch.float32 and all(d % VECTOR_FLOATS == 0 for d in dims)
 
 
 def serves(spec: LayerSpec, k_dim: int, v_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel would serve the decode attention of a layer with a pool of `dtype` (checked before any
     build: plain softmax, float32, head dims that are multiples of `vector_floats`)."""
-    width = vector_floats()
-    return not spec.needs_scores and dtype == torch.float32 and k_dim % width == 0 and v_dim % width == 0
+    return not spec.needs_scores and _fits(dtype, (k_dim, v_dim))
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention) -> bool:
-    """Whether the kernel covers this decode call: CPU, plain softmax, and `_fits` for every tensor. Reads only module
-    state, so it traces under `torch.compile`."""
+    """Whether the kernel covers this decode call: CPU, plain softmax, and `_fits` for every tensor. Reads only
+    constants, so it traces under `torch.compile`."""
     return (query.device.type == "cpu" and not layer.needs_scores and query.dtype == k_cache.dtype == v_cache.dtype
             and _fits(query.dtype, (query.shape[-1], v_cache.shape[-1])))
 
@@ -285,7 +286,8 @@ def paged_decode_attention(
 
 def with_kernel(attend: Callable) -> Callable:
     """A backend's per-layer `attend` with this kernel in front: the decode calls it `supports` go to the kernel,
-    every other call (prefill, verification, soft-capped or sink layers, bf16) to `attend`."""
+    every other call (prefill, verification, soft-capped or sink layers, bf16) to `attend`. Only once `build()` has
+    returned True (the operator is registered)."""
 
     def attend_with_kernel(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedAttentionMetadata, layer: LayerAttention) -> torch.Tensor:

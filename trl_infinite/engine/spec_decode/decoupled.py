@@ -60,14 +60,14 @@ class DecoupledStep(SpeculativeStep):
     Alg. 2 for the requests below the mean acceptance. A coupled plan drafts its window (0: none) for every row
     before the forward; a decoupled one verifies the windows drafted ahead."""
 
-    def __init__(self, ctx, spec, drafter, sampling):
+    def __init__(self, ctx, spec, drafter, sampling, window: int | None, reconfigure_every: int):
         super().__init__(ctx, spec, drafter, sampling)
-        cfg = spec.config
-        self.w_max = cfg.num_tokens
-        self.every = cfg.reconfigure_every if cfg.draft_window is None and cfg.adaptive else 0
+        self.w_max = spec.max_tokens
+        fixed = window if window is not None or spec.adaptive else spec.max_tokens
+        self.every = reconfigure_every if fixed is None else 0
         self.plan: Plan | None = None
-        if cfg.draft_window is not None or not cfg.adaptive:  # a fixed window: no plan, no reconfiguration
-            self.plan = Plan(DECOUPLED, cfg.draft_window or cfg.num_tokens, 0.0)
+        if fixed is not None:  # a fixed window (or `speculative_adaptive=False`): no plan, no reconfiguration
+            self.plan = Plan(DECOUPLED, fixed, 0.0)
         self.per_row: dict[int, Plan] = {}
         self.chains: dict[int, _Chain] = {}
         self.pending: list[tuple[int, int]] = []  # (row index, window) drafted ahead this step

@@ -10,69 +10,22 @@ are simply overwritten later, and the scheduler trims the blocks reserved for dr
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention import Segment
 from ..batch import ScheduledBatch
-from ..config import EngineConfig, SamplingParams
+from ..config import SamplingParams
 from ..executor import StepContext
-from ..registry import DRAFTERS
 from ..sampler import STREAM_SAMPLE, row_keys, seen_mask
 from ..sequence import SeqStatus, Sequence
-from .adaptive import AcceptanceTracker, CostModel, plan_lengths
-from .drafter import EMPTY, DraftContext, Drafter, Proposal
-from .plan import DraftTimes, StepTimes
+from .adaptive import AcceptanceTracker, plan_lengths
+from .drafter import EMPTY, Drafter, Proposal
 from .verify import Verified, verify
 
-
-class Speculator:
-    """Engine-lifetime state: the drafter's name and options (`config.speculative`), the draft model (loaded once),
-    the engine's history, the cost models of verification and drafting (profiled once per model) and the mean
-    acceptance (the decoupled plan's `p`, which changes little between calls)."""
-
-    def __init__(self, config: EngineConfig, device: torch.device, history=None):
-        self.engine_config = config
-        self.config = config.speculative
-        self.device = device
-        self.cost = CostModel()
-        self.draft_times = DraftTimes()
-        self.acceptance = AcceptanceTracker(decay=0.995)  # key None: every verified draft of every call
-        self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
-        self.draft_model = None
-        if self.config.draft_model is not None:
-            from .draft_model import load_draft_model
-
-            self.draft_model = load_draft_model(self.config.draft_model, device)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.config.num_tokens
-
-    def build_drafter(self, sampling: SamplingParams) -> Drafter:
-        """A fresh drafter for one `generate` call, the one `speculative_method` names."""
-        context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model)
-        return DRAFTERS.build(self.config.method, self.config, context)
-
-    def step_times(self) -> StepTimes | None:
-        """The fitted verification and drafting step times, None until both models have data."""
-        if not (self.cost.ready and self.draft_times.ready):
-            return None
-        return StepTimes(tuple(self.cost.coef.tolist()), self.draft_times.fit.coef)
-
-    def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
-        drafter = self.build_drafter(sampling)
-        if not self.config.decoupled:
-            return SpeculativeStep(ctx, self, drafter, sampling)
-        if not drafter.supports_ahead:
-            raise ValueError(f"`speculative_decoupled=True` needs a drafter that drafts ahead (`propose_ahead`); "
-                             f"{self.config.method!r} does not.")
-        if self.draft_model is not None and self.draft_model is ctx.runner.model:
-            raise ValueError("`speculative_decoupled=True` drafts while the target verifies: "
-                             "`speculative_draft_model` must be another module than the model itself.")
-        from .decoupled import DecoupledStep
-
-        return DecoupledStep(ctx, self, drafter, sampling)
+if TYPE_CHECKING:
+    from .speculator import Speculator
 
 
 class SpeculativeStep:
@@ -163,7 +116,7 @@ class SpeculativeStep:
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
-        ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.config.adaptive)
+        ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive)
         return self._propose(seqs, ks)
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
