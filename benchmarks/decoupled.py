@@ -39,6 +39,8 @@ from trl_infinite.sim.traces import TraceRecord
 from trl_infinite.testing.offline_models import load_smollm2
 from trl_infinite.testing.shared_data import dataset_file
 
+MODES = ("none", "coupled", "decoupled")
+
 
 def gsm8k_train_prompts(tokenizer, n: int) -> list[list[int]]:
     lines = dataset_file("gsm8k", "train").read_text().splitlines()[:n]
@@ -81,8 +83,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--order", nargs=3, default=["none", "coupled", "decoupled"], choices=MODES,
+                    help="order in which the three engines of a batch size run (wall times drift on a shared CPU)")
     ap.add_argument("--json", default=None, help="write the run as JSON (and the markdown beside it)")
     args = ap.parse_args()
+    if sorted(args.order) != sorted(MODES):
+        ap.error(f"--order must name each of {list(MODES)} once")
     torch.set_num_threads(args.threads)
     device = pick_device("cpu")
     model, tok = load_smollm2()
@@ -98,7 +104,7 @@ def main() -> None:
         g = args.group_size
         prompts = gsm8k_train_prompts(tok, max(1, b // g))
         runs = {}
-        for mode in ("none", "coupled", "decoupled"):
+        for mode in args.order:
             engine = RolloutEngine(model, engine_config(args, mode, b, draft))
             engine.generate(prompts, g, warm)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -109,12 +115,13 @@ def main() -> None:
         if any(r[0].completion_ids != ref for r in runs.values()):
             raise RuntimeError(f"batch {b}: speculative tokens differ from plain decoding's")
         base_speed = None
-        for mode in ("none", "coupled", "decoupled"):
+        fitted = [m for m in ("decoupled", "coupled") if runs[m][3].speculator.step_times() is not None]
+        for mode in MODES:
             out, wall, cpu, engine = runs[mode]
             s = out.stats
-            times_engine = runs["coupled" if mode == "none" else mode][3]
-            times = times_engine.speculator.step_times()
-            extra = runs["coupled" if mode == "none" else mode][0].stats.extra
+            source = mode if mode in fitted else (fitted[0] if fitted else None)  # the step times and acceptance
+            times = runs[source][3].speculator.step_times() if source else None
+            extra = runs[source][0].stats.extra if source else {}
             records = [TraceRecord(prompt_len=len(p), lengths=[len(c) for c in ref[i * g:(i + 1) * g]],
                                    prompt_index=i, extra={"acceptance": acceptance_from_stats(extra, i, g)})
                        for i, p in enumerate(prompts)]

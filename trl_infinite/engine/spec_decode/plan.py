@@ -68,7 +68,9 @@ class DraftTimes:
 
     @property
     def ready(self) -> bool:
-        return self.fit.n_obs >= 2
+        """One timed drafting step is enough for a first plan (the ridge keeps the fit defined); each later one
+        refines it."""
+        return self.fit.n_obs >= 1
 
 
 @dataclass(frozen=True)
