@@ -135,7 +135,7 @@ def main() -> None:
             speed = s.generated_tokens / wall
             base_speed = base_speed or speed
             plan = (f"{s.extra['spec_plan_mode']} w={s.extra['spec_plan_window']}"
-                    if "spec_plan_mode" in s.extra else ("-" if mode != "decoupled" else "fixed/unplanned"))
+                    if "spec_plan_mode" in s.extra else ("-" if mode != "decoupled" else "none made"))
             table.add(batch=b, mode=mode, wall_s=wall, cpu_s=cpu, decode_fwd=s.decode_steps, verify_fwd=s.verify_steps,
                       accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed, sim_tok_s=sim_speed,
                       speedup_vs_none=speed / base_speed)
