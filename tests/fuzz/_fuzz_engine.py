@@ -134,7 +134,11 @@ def engine_settings(draw, allow_compile: bool) -> dict:
                    speculative_suffix_sources=draw(st.sampled_from(["siblings+history", "siblings", "history"])),
                    speculative_suffix_min_confidence=draw(st.sampled_from([0.0, 0.1])),
                    speculative_ngram_min_n=1, speculative_ngram_max_n=draw(st.integers(1, 4)),
-                   speculative_best_of_n_tail_batch=draw(st.sampled_from([0, 4, 64])))
+                   speculative_best_of_n_tail_batch=draw(st.sampled_from([0, 4, 64])),
+                   speculative_decoupled=draw(st.booleans()))
+        if cfg["speculative_decoupled"]:  # the window: planned from wall-clock timings (any outcome), or fixed
+            cfg.update(speculative_draft_window=draw(st.sampled_from([None, 1, cfg["speculative_num_tokens"]])),
+                       speculative_reconfigure_every=draw(st.sampled_from([0, 1, 16])))
     return cfg
 
 

@@ -256,21 +256,37 @@ class SpeculativeConfig(Section):
     flag_prefix = "speculative_"
     method: str | None = setting(
         None, "Speculative drafter: None (off), 'suffix', 'ngram', 'draft_model', 'best_of_n' or a registered name. "
-        "Verification is lossless (greedy output is token-identical).", ("engine/engine.py", f"{_SPEC}step.py"),
+        "Verification is lossless (greedy output is token-identical).", ("engine/engine.py", f"{_SPEC}speculator.py"),
         choices=DRAFTERS)
-    num_tokens: int = setting(5, "Most draft tokens verified per sample and step (k).", (f"{_SPEC}step.py",))
+    num_tokens: int = setting(5, "Most draft tokens verified per sample and step (k).", (f"{_SPEC}speculator.py",))
     draft_model: object = setting(
-        None, "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n').", (f"{_SPEC}step.py",))
+        None, "Draft model (path or `nn.Module`) for 'draft_model' (and 'best_of_n').", (f"{_SPEC}speculator.py",))
     adaptive: bool = setting(
         True, "Per-sample draft length from recent acceptance and a batch switch from an online cost model "
         "(speculation off while the batch is large). False = always draft `speculative_num_tokens`.",
-        (f"{_SPEC}step.py",))
+        (f"{_SPEC}speculator.py",))
+    decoupled: bool = setting(
+        False, "Decoupled speculation (SpecActor §4.1): the drafter drafts the next window on its own thread (its "
+        "own CUDA stream on GPU) while the verification forward runs, assuming its drafts are accepted; the window "
+        "and the coupled fallback are planned by the TGS model, per request (Alg. 1, 2). Lossless as coupled.",
+        (f"{_SPEC}speculator.py",))
+    draft_window: int | None = setting(
+        None, "Decoupled speculation: drafting window w (drafts verified per sample and step, <= "
+        "`speculative_num_tokens`). None = chosen by the TGS plan from measured step times and acceptance.",
+        (f"{_SPEC}speculator.py",))
+    reconfigure_every: int = setting(
+        16, "Decoupled speculation: decode steps between re-plans at the current batch, each followed by the per-request "
+        "reconfiguration (Alg. 2: samples below the mean acceptance get a smaller window or coupled execution). "
+        "0 = plan once.", (f"{_SPEC}speculator.py",), minimum=0)
     suffix: SuffixConfig = section(SuffixConfig)
     ngram: NgramConfig = section(NgramConfig)
     best_of_n: BestOfNConfig = section(BestOfNConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.draft_window is not None and self.draft_window > self.num_tokens:
+            raise ValueError(f"`speculative_draft_window` must be <= `speculative_num_tokens` ({self.num_tokens}), "
+                             f"got {self.draft_window!r}.")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
 

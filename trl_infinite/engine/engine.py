@@ -229,6 +229,7 @@ class RolloutEngine:
             self.pool.zero()  # NaN K/V left in blocks would leak into later calls through masked reads (0 * NaN)
             raise
         finally:  # also on error / KeyboardInterrupt: nothing of this call stays held until the next one
+            executor.close()
             self.decoder.end()
             self.pool.reset(keep_cache=ended)  # an interrupted call's registered blocks may never have been written
             self.predictor.end_call()

@@ -138,6 +138,11 @@ class ModelExecutor:
     def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
         return measured  # the wall time of the step (on CUDA up to the tokens' read-back)
 
+    def close(self) -> None:
+        """End of the call, on every exit path: the speculative step's drafter thread (if any) is joined."""
+        if self.spec is not None:
+            self.spec.close()
+
     # ------------------------------------------------------------------ pieces
     def _eager_decode(self, seqs: list[Sequence]) -> Decoded:
         """One eager decode forward (each row's input: its last output token at position `num_tokens - 1`), sampled

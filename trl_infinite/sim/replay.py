@@ -116,6 +116,9 @@ class TraceExecutor:
     def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
         return (self.step_ms[0] + self.step_ms[1] * len(batch.decode)) / 1e3
 
+    def end_call(self, stats: RolloutStats) -> None:
+        """After the call: what the executor adds to its stats (nothing here)."""
+
 
 def _prompt_ids(rec: TraceRecord) -> list[int]:
     """The recorded prompt ids, else a stand-in unique to the prompt index (the history is keyed by prompt ids)."""
@@ -159,10 +162,13 @@ def simulate(
     predictor: LengthPredictor | None = None,
     features: dict | None = None,
     history: PromptHistory | None = None,
+    executor_factory=None,
 ) -> SimResult:
     """Run the trace call by call (B prompts each, one epoch per call), each call built as the engine builds it
     (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
-    revisits prompts feeds later epochs the earlier ones)."""
+    revisits prompts feeds later epochs the earlier ones). `executor_factory(chunk, index)` (records of the call,
+    group_id -> prompt index) builds another `TraceExecutor` (`sim/speculative.py`); its `lookahead(0)` is
+    reserved per sample and its `end_call(stats)` runs after the call."""
     engine = config.engine
     history = history if history is not None else PromptHistory(engine.history)
     predictor = predictor or build_predictor(engine.scheduling, history)
@@ -170,12 +176,16 @@ def simulate(
     for chunk in _calls(records, config.prompts_per_call):
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
         groups = _requests(chunk, max_new)
-        blocks = max(1, min(pool_size(call_blocks(engine, groups, max_new)), _budget_blocks(engine, groups, max_new)))
+        index = {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}
+        custom = executor_factory(chunk, index) if executor_factory is not None else None
+        lookahead = custom.lookahead(0) if custom is not None else 0
+        need = pool_size(call_blocks(engine, groups, max_new, lookahead))
+        blocks = max(1, min(need, _budget_blocks(engine, groups, max_new + lookahead)))
         cache = PrefixCache(engine.block_size) if engine.prefix_cache else None  # the engine's, within one call
         call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size, cache), predictor)
-        executor = TraceExecutor(call.hidden_predictor, features,
-                                 {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}, config.step_ms)
+        executor = custom or TraceExecutor(call.hidden_predictor, features, index, config.step_ms)
         stats = call.run(executor)
+        executor.end_call(stats)
         seqs = [s for g in groups for s in g.samples]
         out.calls.append(stats)
         out.epochs.append(chunk[0].epoch)

@@ -3,7 +3,9 @@
     {"prompt_index": 0, "prompt_len": 87, "lengths": [212, 187, ...],          # G completion lengths (tokens)
      "dataset": "gsm8k", "max_new_tokens": 1024, "finished": [true, ...],      # optional: ended by EOS?
      "prompt_ids": [...], "prefix_ids": [[...k first tokens...], ...],        # optional (prefix predictor)
-     "epoch": 0, "completion_ids": [[...], ...]}                               # optional (revisits, history drafts)
+     "epoch": 0, "completion_ids": [[...], ...],                               # optional (revisits, history drafts)
+     "acceptance": [0.62, 0.4, ...]}                                           # optional: per-sample draft acceptance
+                                                                               # (speculative replay, sim/speculative.py)
 
 A trace that revisits prompts (`record_traces.py --epochs 2`) holds one line per (prompt, epoch).
 

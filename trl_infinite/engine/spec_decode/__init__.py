@@ -3,7 +3,8 @@ lossless verification, adaptive draft lengths."""
 
 from .adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths
 from .drafter import DRAFTERS, DraftContext, Drafter, Proposal, register_drafter
-from .step import SpeculativeStep, Speculator
+from .speculator import Speculator
+from .step import SpeculativeStep
 from .verify import Verified, verify_greedy, verify_sampling
 
 __all__ = [

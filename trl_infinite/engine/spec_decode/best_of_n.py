@@ -55,16 +55,30 @@ class BestOfNDrafter(Drafter):
         alpha = self.tracker.alpha((seq.seq_id, mi))
         return (1.0 + expected_accepted(alpha, length)) / (1.0 + self.members[mi].cost_per_token * length)
 
+    supports_ahead = True
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return self._best(seqs, ks, None)
+
+    def propose_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """The members' drafts after the context + `assumed`, the best one per sample (members are scored against
+        the emitted tokens only for drafts proposed from the context itself)."""
+        return self._best(seqs, ks, assumed)
+
+    def _best(self, seqs: list[Sequence], ks: list[int], assumed: list[list[int]] | None) -> list[Proposal]:
         tail = len(seqs) <= self.tail_batch
         by_member: list[list[Proposal]] = []
+
+        def ask(m: Drafter, want: list[int]) -> list[Proposal]:
+            return m.propose(seqs, want) if assumed is None else m.propose_ahead(seqs, assumed, want)
+
         for mi, m in enumerate(self.members):
             if m.cost_per_token == 0 or tail:
-                by_member.append(m.propose(seqs, ks))
+                by_member.append(ask(m, ks))
                 continue
             # a costly member drafts only for samples whose estimate says it beats every cheap one
             want = [k if k > 0 and self._prefers(s, mi, k) else 0 for s, k in zip(seqs, ks)]
-            by_member.append(m.propose(seqs, want) if any(want) else [EMPTY] * len(seqs))
+            by_member.append(ask(m, want) if any(want) else [EMPTY] * len(seqs))
         out = []
         for i, s in enumerate(seqs):
             options = [(self._value(s, mi, len(p[i].tokens)), mi) for mi, p in enumerate(by_member) if p[i].tokens]
@@ -73,7 +87,8 @@ class BestOfNDrafter(Drafter):
                 continue
             best = max(options)[1]
             self.chosen[self.members[best].name] += 1
-            self.pending[s.seq_id] = [(mi, by_member[mi][i].tokens) for _, mi in options]
+            if assumed is None:
+                self.pending[s.seq_id] = [(mi, by_member[mi][i].tokens) for _, mi in options]
             out.append(by_member[best][i])
         return out
 

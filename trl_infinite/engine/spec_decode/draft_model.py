@@ -74,23 +74,32 @@ class DraftModelDrafter(Drafter):
             st.drafts = []
         st.ctx.extend(tokens)
 
+    supports_ahead = True
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return self.propose_ahead(seqs, [[] for _ in seqs], ks)
+
+    def propose_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """Drafts after the context + `assumed[i]` (empty: `propose`); the assumed tokens' KV is written with the
+        catch-up and kept by `update` where the emitted tokens confirm them."""
         out = [EMPTY] * len(seqs)
-        todo = [i for i, k in enumerate(ks) if k > 0 and self._reserve(self.states[seqs[i].seq_id], ks[i])]
+        todo = [i for i, k in enumerate(ks)
+                if k > 0 and self._reserve(self.states[seqs[i].seq_id], len(assumed[i]) + ks[i])]
         if not todo:
             return out
         states = [self.states[seqs[i].seq_id] for i in todo]
+        extras = [list(assumed[i]) for i in todo]
         drafts: list[list[int]] = [[] for _ in todo]
         live = [True] * len(todo)  # a draft stops at a token the draft model's logits cannot give (not finite)
         for r in range(max(ks[i] for i in todo)):
             rows = [j for j, i in enumerate(todo) if ks[i] > r and live[j]]
             if not rows:
                 break
-            segs = [self._segment(states[j], drafts[j]) for j in rows]
+            segs = [self._segment(states[j], extras[j], drafts[j]) for j in rows]
             logits, _ = self.runner.forward(segs, last_rows(segs))
             q = self.sampler.process(logits)  # [R, V]
             # the emitted position of d_{r+1} is len(ctx) + r: the key of the target's own draw there
-            pos = torch.tensor([len(states[j].ctx) + r for j in rows], device=self.device)
+            pos = torch.tensor([len(states[j].ctx) + len(extras[j]) + r for j in rows], device=self.device)
             keys = row_keys(self.seed, *self._ids([seqs[todo[j]] for j in rows]), pos, STREAM_SAMPLE)
             toks, _ = self.sampler.sample(q, keys, logits)
             for j, t in zip(rows, toks.tolist()):
@@ -98,9 +107,10 @@ class DraftModelDrafter(Drafter):
                     live[j] = False
                     continue
                 drafts[j].append(t)
-                states[j].cached = len(states[j].ctx) + r  # KV now covers ctx + d_1..d_r (d_{r+1} not fed yet)
+                # KV now covers ctx + assumed + d_1..d_r (d_{r+1} not fed yet)
+                states[j].cached = len(states[j].ctx) + len(extras[j]) + r
         for j, i in enumerate(todo):
-            states[j].drafts = drafts[j]
+            states[j].drafts = extras[j] + drafts[j]
             out[i] = Proposal(drafts[j])
         return out
 
@@ -109,12 +119,13 @@ class DraftModelDrafter(Drafter):
                 torch.tensor([s.sample_idx for s in seqs], device=self.device))
 
     @staticmethod
-    def _segment(st: _State, drafts: list[int]) -> Segment:
-        """Round 0: the uncached context; round r: the previous draft token."""
+    def _segment(st: _State, extra: list[int], drafts: list[int]) -> Segment:
+        """Round 0: the uncached context (+ the assumed tokens); round r: the previous draft token."""
         if not drafts:
-            start = min(st.cached, len(st.ctx) - 1)  # at least the last token, whose logits draft d_1
-            return Segment(0, [], st.blocks, start, st.ctx[start:])
-        return Segment(0, [], st.blocks, len(st.ctx) + len(drafts) - 1, drafts[-1:])
+            full = st.ctx + extra if extra else st.ctx
+            start = min(st.cached, len(full) - 1)  # at least the last token, whose logits draft d_1
+            return Segment(0, [], st.blocks, start, full[start:])
+        return Segment(0, [], st.blocks, len(st.ctx) + len(extra) + len(drafts) - 1, drafts[-1:])
 
     def _reserve(self, st: _State, k: int) -> bool:
         bs = self.pool.block_size

@@ -76,6 +76,15 @@ class Drafter:
         """Up to `ks[i]` draft tokens continuing sample i's context (a sample with k = 0 gets `EMPTY`)."""
         raise NotImplementedError
 
+    def propose_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """Decoupled speculation (`decoupled.py`): up to `ks[i]` draft tokens continuing sample i's context followed
+        by `assumed[i]` (its drafts under verification, taken as accepted), without changing what `update` will be
+        told. Runs on the drafter thread while no other method of the drafter runs. Drafters that implement it set
+        `supports_ahead`."""
+        raise NotImplementedError
+
+    supports_ahead = False
+
     def stop(self, seq: Sequence) -> None:
         self.active.pop(seq.seq_id, None)
 

@@ -37,8 +37,16 @@ class NgramDrafter(Drafter):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         return [self._one(s, k) if k > 0 else EMPTY for s, k in zip(seqs, ks)]
 
-    def _one(self, seq: Sequence, k: int) -> Proposal:
+    supports_ahead = True
+
+    def propose_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """Lookup of the last n-gram of the context + `assumed` (the tables index the context only)."""
+        return [self._one(s, k, extra) if k > 0 else EMPTY for s, extra, k in zip(seqs, assumed, ks)]
+
+    def _one(self, seq: Sequence, k: int, extra: list[int] = ()) -> Proposal:
         ctx, table = self.ctx[seq.seq_id], self.tables[seq.seq_id]
+        if extra:
+            ctx = ctx + list(extra)
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(ctx) < n:
                 continue

@@ -10,49 +10,22 @@ are simply overwritten later, and the scheduler trims the blocks reserved for dr
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention import Segment
 from ..batch import ScheduledBatch
-from ..config import EngineConfig, SamplingParams
+from ..config import SamplingParams
 from ..executor import StepContext
-from ..registry import DRAFTERS
 from ..sampler import STREAM_SAMPLE, row_keys, seen_mask
 from ..sequence import SeqStatus, Sequence
-from .adaptive import AcceptanceTracker, CostModel, plan_lengths
-from .drafter import EMPTY, DraftContext, Drafter, Proposal
+from .adaptive import AcceptanceTracker, plan_lengths
+from .drafter import EMPTY, Drafter, Proposal
 from .verify import Verified, verify
 
-
-class Speculator:
-    """Engine-lifetime state: the drafter's name and options (`config.speculative`), the draft model (loaded once),
-    the engine's history, and the cost model (profiled once per model)."""
-
-    def __init__(self, config: EngineConfig, device: torch.device, history=None):
-        self.engine_config = config
-        self.config = config.speculative
-        self.adaptive = self.config.adaptive
-        self.device = device
-        self.cost = CostModel()
-        self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
-        self.draft_model = None
-        if self.config.draft_model is not None:
-            from .draft_model import load_draft_model
-
-            self.draft_model = load_draft_model(self.config.draft_model, device)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.config.num_tokens
-
-    def build_drafter(self, sampling: SamplingParams) -> Drafter:
-        """A fresh drafter for one `generate` call, the one `speculative_method` names."""
-        context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model)
-        return DRAFTERS.build(self.config.method, self.config, context)
-
-    def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
-        return SpeculativeStep(ctx, self, self.build_drafter(sampling), sampling)
+if TYPE_CHECKING:
+    from .speculator import Speculator
 
 
 class SpeculativeStep:
@@ -66,6 +39,8 @@ class SpeculativeStep:
         self.tracker = AcceptanceTracker()
         self.verified_rows = 0
         self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen
+        # (group, sample) -> [drafts accepted, drafts verified, verifications that rejected one]
+        self.sample_counts: dict[tuple[int, int], list[int]] = {}
 
     def lookahead(self, num_running: int) -> int:
         """KV slots to reserve per sample for drafts next step."""
@@ -81,6 +56,28 @@ class SpeculativeStep:
                 self.drafter.start(s)
                 self.known[s.seq_id] = s.num_generated
         proposals = self._draft(seqs, batch.lookahead)
+        ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
+        try:
+            out = self._verify_step(batch, seqs, proposals)
+        except BaseException:
+            self._join_ahead(ahead, keep=False)  # the drafter thread is idle again before the error leaves
+            raise
+        self._join_ahead(ahead, keep=True)
+        return out
+
+    def _launch_ahead(self, seqs: list[Sequence], drafts: list[list[int]]):
+        """Decoupled speculation starts drafting the next window here (`decoupled.py`); coupled: nothing."""
+        return None
+
+    def _join_ahead(self, ahead, keep: bool) -> None:
+        """Waits for what `_launch_ahead` started (`keep`: use its drafts, else only wait)."""
+
+    def close(self) -> None:
+        """End of the call (every exit path): the per-sample acceptance for traces (`sim/speculative.py`)."""
+        self.ctx.stats.extra["spec_sample_acceptance"] = {
+            f"{g}/{i}": tuple(c) for (g, i), c in sorted(self.sample_counts.items())}
+
+    def _verify_step(self, batch: ScheduledBatch, seqs: list[Sequence], proposals: list[Proposal]):
         drafts = [p.tokens for p in proposals]
         if not any(drafts) and self.ctx.decoder is not None:  # nothing to verify: the plain static step
             t0 = time.perf_counter()
@@ -120,9 +117,15 @@ class SpeculativeStep:
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
         ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive)
+        return self._propose(seqs, ks)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """The drafter's proposals cut to `ks`, timed for the drafting cost model."""
         if not any(ks):
             return [EMPTY] * len(seqs)
+        t0 = time.perf_counter()
         proposals = self.drafter.propose(seqs, ks)
+        self.spec.draft_times.observe(sum(1 for k in ks if k), max(ks), sum(ks), time.perf_counter() - t0)
         return [Proposal(p.tokens[:k]) for p, k in zip(proposals, ks)]
 
     @staticmethod
@@ -181,6 +184,11 @@ class SpeculativeStep:
         for s, d, n in zip(seqs, drafts, n_acc):
             if d:
                 self.tracker.observe(s.seq_id, len(d), n)
+                self.spec.acceptance.observe(None, len(d), n)
+                counts = self.sample_counts.setdefault((s.group_id, s.sample_idx), [0, 0, 0])
+                counts[0] += n
+                counts[1] += len(d)
+                counts[2] += n < len(d)
                 self.verified_rows += 1
                 stats.draft_tokens += len(d)
                 stats.accepted_tokens += n

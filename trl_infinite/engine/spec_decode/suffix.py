@@ -105,8 +105,21 @@ class SuffixDrafter(Drafter):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         return [self._one(s, k) if k > 0 else EMPTY for s, k in zip(seqs, ks)]
 
-    def _one(self, seq: Sequence, k: int) -> Proposal:
-        active = self.active_nodes[seq.seq_id]
+    supports_ahead = True
+
+    def propose_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """Drafts after the context + `assumed`: the assumed tokens are matched in the tree, not inserted."""
+        out = []
+        for s, extra, k in zip(seqs, assumed, ks):
+            active = self.active_nodes[s.seq_id]
+            root = self.trees[s.group_id].root
+            for t in extra:
+                active = _follow(root, active, t, self.max_depth)
+            out.append(self._one(s, k, active) if k > 0 else EMPTY)
+        return out
+
+    def _one(self, seq: Sequence, k: int, active: list[_Node] | None = None) -> Proposal:
+        active = self.active_nodes[seq.seq_id] if active is None else active
         for depth in range(len(active) - 1, self.min_match - 1, -1):
             node = active[depth]
             if node.children:

@@ -1,0 +1,173 @@
+"""Decoupled speculation (SpecActor §4.1, issue 27): none / coupled / decoupled rollouts of SmolLM2-135M-Instruct's
+real weights on chat-formatted GSM8K train questions, at several batch sizes, with the simulator's prediction beside
+each measured row.
+
+Per batch size b (b / G prompts, G samples each, all b samples decoding together: `sampling_mode="full_group"`),
+three fresh engines roll out the same prompts with the same seed: no speculation, coupled speculation (today's
+adaptive controller) and decoupled speculation (the TGS plan, Alg. 1 + 2; the drafter drafts ahead on its own
+thread). Each engine first makes a short warm-up call (it also profiles the step-time models the plan needs), then
+the measured call. Columns: wall seconds and process CPU seconds (both threads) of the call, decode forwards (every
+decode/verify forward), verify forwards (forwards that verified at least one draft), the mean acceptance length,
+the plan the decoupled engine chose, the measured speed (generated tokens / wall second), the simulator's predicted
+speed for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
+engine's fitted step times, host work outside the forwards not modelled), and the speed-up over `none`.
+`same_as_none`: whether the call emitted plain decoding's tokens; a row may differ only after a tie at float32
+rounding (checked, as the fuzzer does; anything else raises).
+
+Drafters: `--drafter suffix` (the group's suffix tree: nearly free drafting, so the plan is expected to keep coupled
+execution) or `--drafter draft_model` (a truncated SmolLM2, its first `--draft-layers` layers with the final norm and
+head: costly drafting, the case decoupled execution is for).
+
+    python benchmarks/decoupled.py --drafter draft_model --batches 8 32 64 --max-new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+import time
+
+import torch
+from common import Table, pick_device, run_header, write_results
+
+from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.sampler import Sampler, row_keys, uniform64
+from trl_infinite.sim import SimConfig
+from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats, simulate_speculative
+from trl_infinite.sim.traces import TraceRecord
+from trl_infinite.testing.offline_models import load_smollm2
+from trl_infinite.testing.shared_data import dataset_file
+
+MODES = ("none", "coupled", "decoupled")
+
+
+def gsm8k_train_prompts(tokenizer, n: int) -> list[list[int]]:
+    lines = dataset_file("gsm8k", "train").read_text().splitlines()[:n]
+    msgs = [[{"role": "user", "content": json.loads(line)["question"]}] for line in lines]
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def check_same(model, prompts, g: int, sp: SamplingParams, got: list[list[int]], ref: list[list[int]]) -> str:
+    """'identical', or 'n ties' when n rows differ from plain decoding's and each first difference is a tie at
+    float32 rounding (the inverse-CDF uniform within 1e-5 of the CDF boundary between the two tokens, in the
+    processed distribution of the model's own full forward: a verification forward and a one-token forward round
+    differently, `tests/fuzz/_fuzz_engine.py`); raises on a difference that is not a tie."""
+    ties = 0
+    for row, (a, r) in enumerate(zip(got, ref)):
+        if a == r:
+            continue
+        k = next(i for i in range(min(len(a), len(r)) + 1) if i >= min(len(a), len(r)) or a[i] != r[i])
+        if k >= min(len(a), len(r)):
+            raise RuntimeError(f"row {row}: one output is a prefix of the other")
+        prompt = prompts[row // g]
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + r[:k]])).logits[0, -1:].float()
+        probs = Sampler(sp).process(logits)[0].double().exp()
+        cdf = probs.cumsum(0)
+        key = row_keys(sp.seed, torch.tensor([row // g]), torch.tensor([row % g]), torch.tensor([len(prompt) + k]))
+        target = uniform64(key)[0].item() * cdf[-1].item()
+        lo, hi = min(a[k], r[k]), max(a[k], r[k])
+        if (cdf[lo:hi] - target).abs().min().item() > 1e-5 * cdf[-1].item():
+            raise RuntimeError(f"row {row} differs from plain decoding at token {k} without a tie")
+        ties += 1
+    return "identical" if ties == 0 else f"{ties} ties"
+
+
+def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """The model's first `layers` decoder layers with its embeddings, final norm and head (a self-draft)."""
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    draft = type(model)(cfg)
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    if missing:
+        raise RuntimeError(f"truncated draft model: weights missing {missing[:3]}")
+    return draft.eval()
+
+
+def engine_config(args, mode: str, b: int, draft) -> EngineConfig:
+    spec = {} if mode == "none" else dict(
+        speculative_method=args.drafter, speculative_num_tokens=args.num_tokens,
+        speculative_draft_model=draft if args.drafter == "draft_model" else None,
+        speculative_decoupled=mode == "decoupled")
+    return EngineConfig(kv_cache_tokens=args.kv_tokens, block_size=16, sampling_mode="full_group",
+                        max_active_sequences=b, **spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", choices=["suffix", "draft_model"], default="draft_model")
+    ap.add_argument("--draft-layers", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--num-tokens", type=int, default=5, help="speculative_num_tokens (largest window)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--order", nargs=3, default=["none", "coupled", "decoupled"], choices=MODES,
+                    help="order in which the three engines of a batch size run (wall times drift on a shared CPU)")
+    ap.add_argument("--json", default=None, help="write the run as JSON (and the markdown beside it)")
+    args = ap.parse_args()
+    if sorted(args.order) != sorted(MODES):
+        ap.error(f"--order must name each of {list(MODES)} once")
+    torch.set_num_threads(args.threads)
+    device = pick_device("cpu")
+    model, tok = load_smollm2()
+    draft = truncated(model, args.draft_layers) if args.drafter == "draft_model" else None
+    header = run_header(device, "python benchmarks/decoupled.py " + shlex.join(sys.argv[1:]))
+    table = Table(["batch", "mode", "same_as_none", "wall_s", "cpu_s", "decode_fwd", "verify_fwd", "accept_len", "plan", "tok_s",
+                   "sim_tok_s", "speedup_vs_none"])
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                        eos_token_ids=[tok.eos_token_id])
+    warm = SamplingParams(max_new_tokens=16, temperature=args.temperature, seed=args.seed + 1,
+                          eos_token_ids=[tok.eos_token_id])
+    for b in args.batches:
+        g = args.group_size
+        prompts = gsm8k_train_prompts(tok, max(1, b // g))
+        runs = {}
+        for mode in args.order:
+            engine = RolloutEngine(model, engine_config(args, mode, b, draft))
+            engine.generate(prompts, g, warm)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = engine.generate(prompts, g, sp)
+            runs[mode] = (out, time.perf_counter() - t0, time.process_time() - c0, engine)
+            print(f"b={b} {mode}: {runs[mode][1]:.1f}s", file=sys.stderr, flush=True)
+        ref = runs["none"][0].completion_ids
+        same = {m: check_same(model, prompts, g, sp, runs[m][0].completion_ids, ref) for m in MODES}
+        base_speed = None
+        fitted = [m for m in ("decoupled", "coupled") if runs[m][3].speculator.step_times() is not None]
+        for mode in MODES:
+            out, wall, cpu, engine = runs[mode]
+            s = out.stats
+            source = mode if mode in fitted else (fitted[0] if fitted else None)  # the step times and acceptance
+            times = runs[source][3].speculator.step_times() if source else None
+            extra = runs[source][0].stats.extra if source else {}
+            records = [TraceRecord(prompt_len=len(p), lengths=[len(c) for c in ref[i * g:(i + 1) * g]],
+                                   prompt_index=i, extra={"acceptance": acceptance_from_stats(extra, i, g)})
+                       for i, p in enumerate(prompts)]
+            sim_speed = None
+            if times is not None:
+                replay = SpecReplay(times, mode=mode, num_tokens=args.num_tokens, seed=args.seed)
+                sim = simulate_speculative(records, SimConfig(engine=engine_config(args, "none", b, None),
+                                                              prompts_per_call=len(prompts)), replay)
+                call = sim.calls[0]
+                sim_speed = call.generated_tokens / call.extra["sim_seconds"]
+            speed = s.generated_tokens / wall
+            base_speed = base_speed or speed
+            plan = (f"{s.extra['spec_plan_mode']} w={s.extra['spec_plan_window']}"
+                    if "spec_plan_mode" in s.extra else ("-" if mode != "decoupled" else "none made"))
+            table.add(batch=b, mode=mode, same_as_none=same[mode], wall_s=wall, cpu_s=cpu, decode_fwd=s.decode_steps, verify_fwd=s.verify_steps,
+                      accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed, sim_tok_s=sim_speed,
+                      speedup_vs_none=speed / base_speed)
+    write_results(args.json, header, table, {"args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Decoupled speculation (SpecActor §4.1): lossless like coupled speculation, the drafter thread joined on every exit
+path, and the TGS plan (Alg. 1) / per-request reconfiguration (Alg. 2) choosing what the formulas say."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from _models import reference_greedy, tiny_model
+from test_spec_engine import _chi2_pvalue, _exact_triples, _ModelOracle
+
+from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.spec_decode import register_drafter
+from trl_infinite.engine.spec_decode.plan import (
+    COUPLED,
+    DECOUPLED,
+    Plan,
+    StepTimes,
+    chain_share,
+    emitted,
+    plan,
+    reconfigure,
+    tgs_coupled,
+    tgs_decoupled,
+)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model("llama", seed=3)
+
+
+@register_drafter("test_oracle_ahead")
+class _AheadOracle(_ModelOracle):
+    """The target's argmax continuation (often accepted), also after assumed tokens (drafting ahead), computed by a
+    copy of the target given as the draft model (the drafter thread runs while the target itself verifies)."""
+
+    supports_ahead = True
+
+    def propose_ahead(self, seqs, assumed, ks):
+        saved = dict(self.ctx)
+        try:
+            for s, extra in zip(seqs, assumed):
+                self.ctx[s.seq_id] = self.ctx[s.seq_id] + list(extra)
+            return self.propose(seqs, ks)
+        finally:
+            self.ctx = saved
+
+
+def _engine(model, method=None, draft=None, **kw):
+    if method is not None and method.startswith("test_"):
+        draft = copy.deepcopy(model)
+    cfg = EngineConfig(kv_cache_tokens=16384, block_size=8, speculative_method=method, speculative_draft_model=draft,
+                       **kw)
+    return RolloutEngine(model, cfg)
+
+
+def _drafter_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("trl-infinite-drafter")]
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram", "best_of_n", "draft_model", "test_oracle_ahead"])
+def test_decoupled_coupled_and_none_give_the_same_greedy_tokens(model, draft, method):
+    """Greedy: no speculation, coupled and decoupled (a fixed window, and the TGS plan after a profiling call) give
+    `model.generate`'s tokens; the decoupled runs verified windows drafted ahead on the drafter thread."""
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    ref = [c for p in PROMPTS for c in [reference_greedy(model, p, MAX_NEW, [])] * 2]
+    none = _engine(model).generate(PROMPTS, 2, sp)
+    d = draft if method in ("draft_model", "best_of_n") else None
+    coupled = _engine(model, method, d).generate(PROMPTS, 2, sp)
+    fixed = _engine(model, method, d, speculative_decoupled=True, speculative_draft_window=3).generate(PROMPTS, 2, sp)
+    planned_engine = _engine(model, method, d, speculative_decoupled=True, speculative_reconfigure_every=2)
+    planned = [planned_engine.generate(PROMPTS, 2, sp) for _ in range(2)]
+    for out in (none, coupled, fixed, *planned):
+        assert out.completion_ids == ref
+    assert fixed.stats.extra["spec_ahead_tokens"] > 0  # the drafter thread drafted windows ahead
+    if method == "test_oracle_ahead":  # drafts that are often right: windows drafted ahead are used
+        assert fixed.stats.extra["spec_ahead_used"] > 0 and fixed.stats.accepted_tokens > 0
+    assert not _drafter_threads()
+
+
+def test_decoupled_sampling_keeps_the_target_law(model):
+    """T=1, top_k=6, top_p=0.9, decoupled with window 2: 1500 samples of the first 3 tokens pass the chi-square test
+    against the exact law at significance 0.001 (deterministic seeds), drafts drafted ahead were both accepted and
+    rejected, and the samples equal plain sampling's with the same seed."""
+    prompt, g = PROMPTS[0], 1500
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=6, top_p=0.9, seed=11)
+    law = _exact_triples(model, prompt, sp)
+    cfg = dict(max_active_sequences=g, speculative_num_tokens=2, speculative_decoupled=True,
+               speculative_draft_window=2)
+    out = _engine(model, "test_oracle_ahead", **cfg).generate([prompt], g, sp)
+    base = _engine(model, max_active_sequences=g).generate([prompt], g, sp)
+    s = out.stats
+    assert s.extra["spec_ahead_used"] > 0 and 0 < s.accepted_tokens < s.draft_tokens
+    assert _chi2_pvalue([tuple(c[:3]) for c in out.completion_ids], law) > 1e-3
+    assert out.completion_ids == base.completion_ids
+
+
+def test_drafter_thread_joined_when_a_step_raises(model, draft):
+    """A fault from a decode step of a decoupled call reaches the caller, the drafter thread is gone, nothing is
+    held, and the next call gives the plain greedy tokens."""
+    engine = _engine(model, "draft_model", draft, speculative_decoupled=True, speculative_draft_window=2)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+    class Fault(Exception):
+        pass
+
+    def fault(batch, seconds):
+        if len(batch.decode) and batch.decode[0].num_generated >= 3:
+            raise Fault
+
+    with pytest.raises(Fault):
+        engine.generate(PROMPTS, 2, sp, on_decode_step=fault)
+    assert not _drafter_threads() and engine.pool.allocator.num_used == 0
+    out = engine.generate(PROMPTS, 2, sp)
+    assert out.completion_ids == _engine(model).generate(PROMPTS, 2, sp).completion_ids
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+def _brute_tgs(times: StepTimes, p: float, w: int, b: int, decoupled: bool) -> float:
+    """The TGS formulas written out again (plan.py's module docstring), from first principles."""
+    e = sum(p**a for a in range(w + 1))
+    v0, v1, v2 = times.verify
+    d0, d1, d2 = times.draft
+    draft = lambda n: (d0 + d1 * n + d2 * b * n) if n else 0.0  # noqa: E731
+    if not decoupled:
+        return b * e / (draft(w) + v0 + v1 * b + v2 * b * w)
+    pi = p / (p + 1 - p ** (w + 1))
+    return b * (pi * e + 1 - pi) / max(draft(w + 1), v0 + v1 * b + v2 * pi * b * w)
+
+
+def test_tgs_formulas_and_window_choice():
+    """Expensive drafting (a draft model), verification that grows with the batch: the plan picks the window with
+    the highest decoupled TGS, and decoupled beats every coupled window there."""
+    times = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
+    p, b, w_max = 0.8, 32, 8
+    assert emitted(p, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert chain_share(1.0, 4) == pytest.approx(1.0) and chain_share(0.0, 4) == 0.0
+    for w in range(1, w_max + 1):
+        assert tgs_decoupled(times, p, w, b) == pytest.approx(_brute_tgs(times, p, w, b, True))
+        assert tgs_coupled(times, p, w, b) == pytest.approx(_brute_tgs(times, p, w, b, False))
+    best_w = max(range(1, w_max + 1), key=lambda w: _brute_tgs(times, p, w, b, True))
+    best_c = max(_brute_tgs(times, p, w, b, False) for w in range(w_max + 1))
+    got = plan(times, p, b, w_max)
+    assert got.mode == DECOUPLED and got.window == best_w and got.tgs > best_c
+    assert 1 < best_w < w_max  # an interior optimum: not just the largest or smallest window
+
+
+def test_plan_falls_back_to_coupled_when_drafting_is_cheap_or_acceptance_low():
+    """Nearly free drafting (a suffix tree): nothing to overlap, the waste of decoupled execution loses -> coupled
+    with the best coupled window; acceptance 0.05: coupled with window 0 (plain decoding)."""
+    cheap = StepTimes(verify=(0.02, 0.001, 0.0001), draft=(1e-5, 1e-5, 1e-6))
+    got = plan(cheap, 0.7, 8, 6)
+    best_c = max(range(7), key=lambda w: _brute_tgs(cheap, 0.7, w, 8, False))
+    assert got == Plan(COUPLED, best_c, pytest.approx(_brute_tgs(cheap, 0.7, best_c, 8, False)))
+    costly = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
+    assert plan(costly, 0.05, 32, 6).window == 0
+
+
+def test_reconfigure_moves_requests_below_the_mean():
+    """Alg. 2: requests at or above the mean acceptance keep the batch plan; one far below gets the better of its
+    own coupled and decoupled windows at b = 1."""
+    times = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
+    base = plan(times, 0.8, 32, 6)
+    out = reconfigure(times, base, {1: 0.9, 2: 0.85, 3: 0.1}, 6)
+    assert out[1] == base and out[2] == base
+    dec = max(range(1, 7), key=lambda w: _brute_tgs(times, 0.1, w, 1, True))
+    cpl = max(range(7), key=lambda w: _brute_tgs(times, 0.1, w, 1, False))
+    tgs_d, tgs_c = _brute_tgs(times, 0.1, dec, 1, True), _brute_tgs(times, 0.1, cpl, 1, False)
+    want = (DECOUPLED, dec) if tgs_d > tgs_c else (COUPLED, cpl)
+    assert (out[3].mode, out[3].window) == want and out[3].window < base.window
+
+
+def test_config_fields_and_errors():
+    cfg = EngineConfig(speculative_method="suffix", speculative_decoupled=True, speculative_draft_window=3,
+                       speculative_reconfigure_every=4)
+    assert (cfg.speculative.decoupled, cfg.speculative.draft_window, cfg.speculative.reconfigure_every) == (True, 3, 4)
+    with pytest.raises(ValueError, match="speculative_draft_window"):
+        EngineConfig(speculative_num_tokens=2, speculative_draft_window=3)
+    with pytest.raises(ValueError, match="speculative_decoupled"):
+        EngineConfig(speculative_decoupled="yes")
+    with pytest.raises(ValueError, match="speculative_reconfigure_every"):
+        EngineConfig(speculative_reconfigure_every=-1)
+    from trl_infinite.trainer.config import InfiniteGRPOConfig
+
+    names = {f for f in InfiniteGRPOConfig.__dataclass_fields__}
+    assert {"rollout_speculative_decoupled", "rollout_speculative_draft_window",
+            "rollout_speculative_reconfigure_every"} <= names
+
+
+def test_a_drafter_that_cannot_draft_ahead_is_refused(model):
+    """`test_oracle` (no `propose_ahead`) with decoupled execution, or the target as its own draft model (both would
+    run at once): a ValueError."""
+    with pytest.raises(ValueError, match="speculative_decoupled"):
+        _engine(model, "test_oracle", speculative_decoupled=True).generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
+    self_draft = RolloutEngine(model, EngineConfig(kv_cache_tokens=4096, speculative_method="draft_model",
+                                                   speculative_draft_model=model, speculative_decoupled=True))
+    with pytest.raises(ValueError, match="another module"):
+        self_draft.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))

@@ -1,0 +1,191 @@
+"""Relaxed decoupled speculation (SpecActor §4.1, Fig. 9): the drafter drafts the next window while the verifier
+checks the current one.
+
+Per decode step, for each row in decoupled mode with window w:
+1. its drafts `D` are the window the drafter drafted ahead during the previous step, if that window is still valid
+   (the previous verification accepted every draft and emitted the drafter's guess as its bonus token); otherwise
+   it verifies no draft this step (one token, as plain decoding);
+2. while the verification forward runs, the drafter thread drafts `E = e_1 .. e_{w+1}` after the context + `D`
+   (`Drafter.propose_ahead`, `e_1` guessing the bonus token): the drafter runs at most one window ahead of what is
+   verified and then waits for the verdict (the relaxed dependency: at most `2w + 1` drafted tokens are wasted);
+3. after the forward the step joins the drafter thread; `E[1:]` becomes the row's next window if the emitted tokens
+   are `D + [e_1]`.
+Rows in coupled mode (the plan's fallback, or a request Alg. 2 moved there) are drafted before the forward, on the
+caller's thread, as in coupled speculation; every row is verified in the one verification forward of the step.
+
+The drafter thread is one worker per call (on CUDA it drafts on its own stream); PyTorch releases the GIL inside
+its kernels, so on CPU a model drafter computes while the verifier's kernels run. The drafter's state is only ever
+touched by one thread at a time: `update` / `start` / `stop` / coupled `propose` run on the caller's thread while no
+drafting-ahead job is in flight (each step joins its job before it returns, errors included), and `close` shuts the
+worker down on every exit path of the call.
+
+Lossless: verification is unchanged (`verify.py`: the emitted tokens are plain decoding's, keyed by seed, prompt,
+sample and position), so what was drafted, by which thread and when, changes only the speed, never a token. The
+plan and Alg. 2 decide from wall-clock timings, and they decide drafts only.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..sequence import SeqStatus, Sequence
+from .drafter import EMPTY, Proposal
+from .plan import COUPLED, DECOUPLED, Plan, plan, reconfigure
+from .step import SpeculativeStep
+
+
+@dataclass
+class _Chain:
+    """A window drafted ahead for one row: valid when the row's output is `expect_len` tokens ending in `tail`."""
+
+    expect_len: int
+    tail: list[int]
+    tokens: list[int]  # e_2 .. e_{w+1}
+
+
+@dataclass
+class _Ahead:
+    future: object
+    rows: list[tuple[Sequence, list[int]]]  # (row, its drafts under verification)
+
+
+class DecoupledStep(SpeculativeStep):
+    """`SpeculativeStep` with decoupled drafting (module docstring). The plan (Alg. 1) is made at the first step
+    where the step-time models and the acceptance have data (before that: today's coupled controller, which
+    profiles them), and made again with the current batch every `speculative_reconfigure_every` steps, followed by
+    Alg. 2 for the requests below the mean acceptance. A coupled plan drafts its window (0: none) for every row
+    before the forward; a decoupled one verifies the windows drafted ahead."""
+
+    def __init__(self, ctx, spec, drafter, sampling, window: int | None, reconfigure_every: int):
+        super().__init__(ctx, spec, drafter, sampling)
+        self.w_max = spec.max_tokens
+        fixed = window if window is not None or spec.adaptive else spec.max_tokens
+        self.every = reconfigure_every if fixed is None else 0
+        self.plan: Plan | None = None
+        if fixed is not None:  # a fixed window (or `speculative_adaptive=False`): no plan, no reconfiguration
+            self.plan = Plan(DECOUPLED, fixed, 0.0)
+        self.per_row: dict[int, Plan] = {}
+        self.chains: dict[int, _Chain] = {}
+        self.pending: list[tuple[int, int]] = []  # (row index, window) drafted ahead this step
+        self.steps = 0
+        self.worker: ThreadPoolExecutor | None = None
+        self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        dev = ctx.device.type
+        self.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") \
+            else (False, None)
+        self.counters = {"ahead_tokens": 0, "ahead_used": 0, "ahead_wasted": 0, "decoupled_rows": 0,
+                         "coupled_rows": 0, "plans": 0}
+
+    # -- the plan
+    def _make_plan(self, b: int) -> None:
+        """Alg. 1 at the current batch `b` (first plan of the call, or a periodic re-plan)."""
+        times = self.spec.step_times()
+        if times is None or not self.spec.acceptance.counts:
+            return
+        first = self.plan is None
+        self.plan = plan(times, self.spec.acceptance.alpha(None), b, self.w_max)
+        if first:  # the plan at the call's initial batch, for the benchmarks
+            self.ctx.stats.extra.update(
+                spec_plan_mode=self.plan.mode, spec_plan_window=self.plan.window, spec_plan_batch=b,
+                spec_plan_tgs=self.plan.tgs, spec_plan_acceptance=self.spec.acceptance.alpha(None))
+        self.counters["plans"] += 1
+
+    def _reconfigure(self, seqs: list[Sequence]) -> None:
+        times = self.spec.step_times()
+        if times is None:
+            return
+        acceptance = {s.seq_id: self.tracker.alpha(s.seq_id) for s in seqs if s.seq_id in self.tracker.counts}
+        self.per_row = reconfigure(times, self.plan, acceptance, self.w_max)
+
+    # -- drafting
+    def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
+        self.steps += 1
+        self.pending = []
+        if self.plan is None or (self.every and self.steps % self.every == 0):
+            self._make_plan(len(seqs))
+            if self.plan is not None and self.every:
+                self._reconfigure(seqs)
+        if self.plan is None:  # the step-time models are not profiled yet: today's coupled controller
+            return super()._draft(seqs, lookahead)
+        caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
+        out = [EMPTY] * len(seqs)
+        ks = [0] * len(seqs)
+        for i, s in enumerate(seqs):
+            row_plan = self.per_row.get(s.seq_id, self.plan)
+            w = min(row_plan.window, caps[i])
+            chain = self.chains.pop(s.seq_id, None)
+            if row_plan.mode == COUPLED:
+                ks[i] = w
+                self.counters["coupled_rows"] += 1
+                continue
+            self.counters["decoupled_rows"] += 1
+            if chain is not None and s.num_generated == chain.expect_len and s.output_ids[-len(chain.tail):] == \
+                    chain.tail:
+                out[i] = Proposal(chain.tokens[:w])
+                self.counters["ahead_used"] += len(out[i].tokens)
+            elif chain is not None:
+                self.counters["ahead_wasted"] += len(chain.tokens)
+            if row_plan.window > 0:
+                self.pending.append((i, row_plan.window))
+        if any(ks):
+            coupled = self._propose(seqs, ks)
+            out = [c if k else o for c, o, k in zip(coupled, out, ks)]
+        return out
+
+    def _launch_ahead(self, seqs: list[Sequence], drafts: list[list[int]]):
+        if not self.pending:
+            return None
+        rows = [(seqs[i], list(drafts[i])) for i, _ in self.pending]
+        ks = [w + 1 for _, w in self.pending]
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-drafter")
+        job = self.worker.submit(self._draft_ahead, [s for s, _ in rows], [d for _, d in rows], ks)
+        return _Ahead(job, rows)
+
+    def _draft_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]):
+        """On the drafter thread: the windows after each row's drafts (its own CUDA stream on GPU)."""
+        enabled, dtype = self.autocast
+        t0 = time.perf_counter()
+        with torch.inference_mode(), torch.autocast(self.ctx.device.type, dtype=dtype, enabled=enabled):
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    proposals = self.drafter.propose_ahead(seqs, assumed, ks)
+                self.stream.synchronize()
+            else:
+                proposals = self.drafter.propose_ahead(seqs, assumed, ks)
+        return proposals, time.perf_counter() - t0
+
+    def _join_ahead(self, ahead: _Ahead | None, keep: bool) -> None:
+        if ahead is None:
+            return
+        if not keep:
+            ahead.future.exception()  # waits; the step's own error is the one raised
+            return
+        proposals, seconds = ahead.future.result()
+        ks = [w + 1 for _, w in self.pending]
+        self.spec.draft_times.observe(len(ks), max(ks), sum(ks), seconds)
+        for (s, drafts), p in zip(ahead.rows, proposals):
+            self.counters["ahead_tokens"] += len(p.tokens)
+            if p.tokens:
+                self.chains[s.seq_id] = _Chain(s.num_generated + len(drafts) + 1, drafts + p.tokens[:1],
+                                               p.tokens[1:])
+
+    # -- bookkeeping
+    def after_step(self, batch) -> None:
+        super().after_step(batch)
+        for s in batch.decode:
+            if s.status is SeqStatus.FINISHED:
+                self.chains.pop(s.seq_id, None)
+                self.per_row.pop(s.seq_id, None)
+
+    def close(self) -> None:
+        """Joins and ends the drafter thread (every exit path of the call), then records the counters."""
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+            self.worker = None
+        super().close()
+        self.ctx.stats.extra.update({f"spec_{k}": v for k, v in self.counters.items()})
