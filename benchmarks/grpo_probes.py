@@ -69,6 +69,8 @@ class PhaseClock:
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self.stack: list[str] = []
+        self.peak_rss: dict[str, int] = defaultdict(int)  # phase ("other" outside every phase) -> VmHWM bytes
+        self.track_rss = False  # set by `StepProbe` when the high-water mark can be reset
         self.cpu: dict[str, float] = defaultdict(float)
         self.wall: dict[str, float] = defaultdict(float)
         self.inclusive_cpu: dict[str, float] = defaultdict(float)
@@ -85,6 +87,7 @@ class PhaseClock:
         self.wall.clear()
         self.inclusive_cpu.clear()
         self.inclusive_wall.clear()
+        self.peak_rss.clear()
         self._last = self.now()
 
     def _charge(self) -> None:
@@ -92,6 +95,10 @@ class PhaseClock:
         if self.stack:
             self.cpu[self.stack[-1]] += cpu - self._last[0]
             self.wall[self.stack[-1]] += wall - self._last[1]
+        if self.track_rss:  # the high-water mark since the last boundary belongs to the phase that just ran
+            phase = self.stack[-1] if self.stack else "other"
+            self.peak_rss[phase] = max(self.peak_rss[phase], rss_high_water_bytes() or 0)
+            reset_rss_high_water()
         self._last = cpu, wall
 
     def enter(self, phase: str) -> None:
@@ -138,6 +145,7 @@ class StepRecord:
     inclusive_cpu: dict[str, float]
     inclusive_wall: dict[str, float]
     peak_rss_bytes: int | None  # VmHWM during the step (None: the high-water mark could not be reset)
+    phase_peak_rss: dict[str, int]  # the same per phase (the clock resets VmHWM at every phase boundary)
     peak_cuda_bytes: int | None  # torch.cuda.max_memory_allocated during the step
     rss_end_bytes: int | None = None
     extra: dict = field(default_factory=dict)
@@ -176,6 +184,7 @@ class StepProbe(TrainerCallback):
             self._cuda_peak = 0
         self._lifetime_peak = self.process_peak_rss_bytes()
         self._hwm_reset = reset_rss_high_water()
+        self.clock.track_rss = self._hwm_reset
         self.clock.reset()
         self._start = self.clock.now()
 
@@ -190,12 +199,17 @@ class StepProbe(TrainerCallback):
         if self.clock.stack:
             raise RuntimeError(f"phases still open at the end of a step: {self.clock.stack}")
         status_rss = _current_rss_bytes()
+        end_hwm = rss_high_water_bytes() if self._hwm_reset else None
+        phase_peaks = dict(self.clock.peak_rss)
+        if end_hwm is not None:
+            phase_peaks["other"] = max(phase_peaks.get("other", 0), end_hwm)
+        self.clock.track_rss = False
         self.records.append(StepRecord(
             cpu_s=cpu - self._start[0], wall_s=wall - self._start[1],
             phases_cpu={p: self.clock.cpu.get(p, 0.0) for p in PHASES},
             phases_wall={p: self.clock.wall.get(p, 0.0) for p in PHASES},
             inclusive_cpu=dict(self.clock.inclusive_cpu), inclusive_wall=dict(self.clock.inclusive_wall),
-            peak_rss_bytes=rss_high_water_bytes() if self._hwm_reset else None,
+            peak_rss_bytes=max(phase_peaks.values()) if end_hwm is not None else None, phase_peak_rss=phase_peaks,
             peak_cuda_bytes=max(self._cuda_peak, torch.cuda.max_memory_allocated()) if self.clock.cuda else None,
             rss_end_bytes=status_rss,
         ))

@@ -57,16 +57,17 @@ def random_dataset(vocab_size: int, rows: int, prompt_len: int, seed: int):
                                          for _ in range(rows)]})
 
 
-def parse_rollout_options(items: list[str]) -> dict:
+def parse_rollout_options(items: list[str], prefix: str = "rollout_") -> dict:
     """`--rollout NAME=VALUE` items as `InfiniteGRPOConfig` keyword arguments (`rollout_NAME`; values read as
-    Python literals, else strings)."""
+    Python literals, else strings); with `prefix=""`, `--option` items (field names as they are)."""
     out = {}
     for item in items:
         name, value = item.split("=", 1)
+        key = prefix + name.removeprefix(prefix) if prefix else name
         try:
-            out["rollout_" + name.removeprefix("rollout_")] = ast.literal_eval(value)
+            out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            out["rollout_" + name.removeprefix("rollout_")] = value
+            out[key] = value
     return out
 
 
@@ -111,7 +112,8 @@ def build_trainer(a, kind: str, size, device: torch.device):
         tokenizer, reward = word_tokenizer(vocab), length_reward
         dataset = random_dataset(vocab, a.num_prompts, a.prompt_len, seed=0)
     if kind == "infinite":
-        args = InfiniteGRPOConfig(**common, **parse_rollout_options(a.rollout))
+        args = InfiniteGRPOConfig(**common, **parse_rollout_options(a.rollout),
+                                  **parse_rollout_options(a.option, prefix=""))
         cls = InfiniteGRPOTrainer
     else:
         args, cls = GRPOConfig(**common), GRPOTrainer

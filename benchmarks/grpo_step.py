@@ -131,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continuous batching's max_memory_percent (default: TRL's, 0.5 of the free memory)")
     p.add_argument("--rollout", action="append", default=[], metavar="NAME=VALUE",
                    help="an InfiniteGRPOConfig `rollout_NAME` (repeatable; default: none, our defaults)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="any other InfiniteGRPOConfig field of ours, e.g. backward_token_budget=2048 or "
+                   "shared_prefix_training=False (repeatable; ablations)")
     p.add_argument("--json", default=None, help="write the rows as JSON (and the table as .md) here")
     p.add_argument("--worker", choices=list(TRAINERS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -143,9 +146,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--trace only applies with --lengths forced")
     if a.worker is not None and (a.result is None or len(a.sizes) != 1):
         p.error("--worker needs --result and exactly one size")
-    for item in a.rollout:
-        if "=" not in item:
-            p.error(f"--rollout takes NAME=VALUE, got {item!r}")
+    for flag, items in (("--rollout", a.rollout), ("--option", a.option)):
+        for item in items:
+            if "=" not in item:
+                p.error(f"{flag} takes NAME=VALUE, got {item!r}")
     return a
 
 
@@ -190,7 +194,7 @@ def run_worker(a, kind: str, size: Size) -> dict:
         for r, n in zip(records, mean_len):
             steps.append({"cpu_s": r.cpu_s, "wall_s": r.wall_s, "phases_cpu": r.phases_cpu,
                           "phases_wall": r.phases_wall, "inclusive_cpu": r.inclusive_cpu,
-                          "inclusive_wall": r.inclusive_wall, "peak_rss_bytes": r.peak_rss_bytes,
+                          "inclusive_wall": r.inclusive_wall, "peak_rss_bytes": r.peak_rss_bytes, "phase_peak_rss": r.phase_peak_rss,
                           "peak_cuda_bytes": r.peak_cuda_bytes, "rss_end_bytes": r.rss_end_bytes, "mean_len": n})
         return {
             "trainer": kind, "size": size.name, "steps": steps, "process_peak_rss_bytes": instrumented.probe.process_peak_rss_bytes(),
@@ -230,6 +234,8 @@ def worker_argv(a, kind: str, size: Size, result: str) -> list[str]:
             argv += [flag, str(value)]
     for item in a.rollout:
         argv += ["--rollout", item]
+    for item in a.option:
+        argv += ["--option", item]
     return argv
 
 
@@ -342,8 +348,9 @@ def header_for(a, device: torch.device, clock: str) -> dict:
                              "prompt, the same for every trainer (in the JSON: forced_lengths)")
     else:
         header["lengths"] = "natural (EOS or max_completion_length)"
-    if a.rollout:
-        header["InfiniteGRPOConfig"] = " ".join(a.rollout)
+    if a.rollout or a.option:
+        header["InfiniteGRPOConfig"] = " ".join([f"rollout_{x.removeprefix('rollout_')}" for x in a.rollout]
+                                                + a.option)
     if a.cb_memory_percent is not None:
         header["continuous batching"] = f"max_memory_percent={a.cb_memory_percent}"
     return header

@@ -43,6 +43,9 @@ def check_steps(result: dict, steps: int = 2) -> None:
         gen = s["inclusive_wall"]["_generate_and_score_completions"]
         assert s["phases_wall"]["rollout"] <= gen + TOL_S <= s["wall_s"] + 2 * TOL_S
         assert 0 < s["peak_rss_bytes"] <= result["process_peak_rss_bytes"]
+        # the step's peak is the highest of its phases' peaks (the clock resets the mark at each boundary)
+        assert set(s["phase_peak_rss"]) <= {*probes.PHASES, "other"}
+        assert s["peak_rss_bytes"] == max(s["phase_peak_rss"].values())
         assert s["peak_cuda_bytes"] is None
     assert result["config"]["loss_type"] == "dapo" and result["config"]["beta"] == 0.0
     assert result["config"]["gradient_checkpointing"] is True and result["config"]["bf16"] is False
@@ -110,18 +113,21 @@ def test_sizes_and_flags():
     assert [s.name for s in a.sizes] == ["8x2@128", "16x1@256", "32x1@256"]
     assert a.model == "smollm2" and a.trainers == ["trl", "trl_cb", "infinite"] and a.steps == 2 and a.threads == 1
     for bad in (["--sizes", "8x2"], ["--sizes", "1x2@128"], ["--steps", "1"], ["--trace", "t.jsonl"],
-                ["--rollout", "max_active_sequences"]):
+                ["--rollout", "max_active_sequences"], ["--option", "backward_token_budget"]):
         with pytest.raises(SystemExit):
             grpo_step.parse_args(bad)
     setup = importlib.import_module("grpo_setup")
     assert setup.parse_rollout_options(["max_active_sequences=8", "rollout_sampling_mode=fixed_slot"]) == {
         "rollout_max_active_sequences": 8, "rollout_sampling_mode": "fixed_slot"}
+    assert setup.parse_rollout_options(["backward_token_budget=2048", "shared_prefix_training=False"], prefix="") == {
+        "backward_token_budget": 2048, "shared_prefix_training": False}
     # the worker command carries every setting of the run
-    a = grpo_step.parse_args([*ARGS, "--lengths", "forced", "--trace", "t.jsonl", "--cb-memory-percent", "0.1"])
+    a = grpo_step.parse_args([*ARGS, "--lengths", "forced", "--trace", "t.jsonl", "--cb-memory-percent", "0.1",
+                              "--option", "backward_token_budget=64"])
     argv = grpo_step.worker_argv(a, "trl_cb", a.sizes[0], "/tmp/r.json")
     w = grpo_step.parse_args(argv[2:])
     same = ("model", "sizes", "steps", "lengths", "trace", "mean", "sigma", "prompt_len", "num_prompts", "device",
-            "bf16", "weights_dtype", "threads", "seed", "cb_memory_percent", "rollout", "phase_clock")
+            "bf16", "weights_dtype", "threads", "seed", "cb_memory_percent", "rollout", "option", "phase_clock")
     assert all(getattr(w, k) == getattr(a, k) for k in same) and w.worker == "trl_cb"
 
 
