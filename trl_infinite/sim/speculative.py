@@ -103,7 +103,8 @@ class SpeculativeTraceExecutor(TraceExecutor):
         if self.plan is None or (r.reconfigure_every and self.steps % r.reconfigure_every == 0):
             self.plan = plan(r.times, mean_p, b, r.num_tokens)
             if r.reconfigure_every:
-                self.per_row = reconfigure(r.times, self.plan, {s.seq_id: self._p(s) for s in decode}, r.num_tokens)
+                self.per_row = reconfigure(r.times, self.plan, {s.seq_id: self._p(s) for s in decode}, r.num_tokens,
+                                           b)
         return [self.per_row.get(s.seq_id, self.plan) for s in decode]
 
     def run(self, batch: ScheduledBatch) -> StepOutput:

@@ -5,8 +5,7 @@ import copy
 import threading
 
 import pytest
-import torch
-from _models import reference_greedy, tiny_model
+from _models import reference_greedy
 from test_spec_engine import _chi2_pvalue, _exact_triples, _ModelOracle
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
@@ -26,24 +25,6 @@ from trl_infinite.engine.spec_decode.plan import (
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
 MAX_NEW = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3")
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_model("llama", seed=3)
 
 
 @register_drafter("test_oracle_ahead")
@@ -175,16 +156,24 @@ def test_plan_falls_back_to_coupled_when_drafting_is_cheap_or_acceptance_low():
 
 def test_reconfigure_moves_requests_below_the_mean():
     """Alg. 2: requests at or above the mean acceptance keep the batch plan; one far below gets the better of its
-    own coupled and decoupled windows at b = 1."""
+    own coupled and decoupled windows at the current batch (not at b = 1, the paper's choice: see `reconfigure`); a
+    batch planned as plain decoding keeps every request at plain decoding."""
     times = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
     base = plan(times, 0.8, 32, 6)
-    out = reconfigure(times, base, {1: 0.9, 2: 0.85, 3: 0.1}, 6)
+    out = reconfigure(times, base, {1: 0.9, 2: 0.85, 3: 0.1}, 6, 32)
     assert out[1] == base and out[2] == base
-    dec = max(range(1, 7), key=lambda w: _brute_tgs(times, 0.1, w, 1, True))
-    cpl = max(range(7), key=lambda w: _brute_tgs(times, 0.1, w, 1, False))
-    tgs_d, tgs_c = _brute_tgs(times, 0.1, dec, 1, True), _brute_tgs(times, 0.1, cpl, 1, False)
+    dec = max(range(1, 7), key=lambda w: _brute_tgs(times, 0.1, w, 32, True))
+    cpl = max(range(7), key=lambda w: _brute_tgs(times, 0.1, w, 32, False))
+    tgs_d, tgs_c = _brute_tgs(times, 0.1, dec, 32, True), _brute_tgs(times, 0.1, cpl, 32, False)
     want = (DECOUPLED, dec) if tgs_d > tgs_c else (COUPLED, cpl)
     assert (out[3].mode, out[3].window) == want and out[3].window < base.window
+    # compute-bound at 64 rows (each verified position costs 2 ms): plain decoding is planned, and a request below
+    # the mean stays at plain decoding; evaluated at b = 1 (the paper's Alg. 2) it would get a 4-token window
+    bound = StepTimes(verify=(0.02, 0.0001, 0.002), draft=(0.0005, 0.0002, 0.00001))
+    none = plan(bound, 0.8, 64, 6)
+    assert none.window == 0
+    assert all(p.window == 0 for p in reconfigure(bound, none, {1: 0.9, 2: 0.9, 3: 0.7}, 6, 64).values())
+    assert reconfigure(bound, none, {1: 0.9, 2: 0.9, 3: 0.7}, 6, 1)[3].window == 4
 
 
 def test_config_fields_and_errors():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from _models import reference_greedy, tiny_model
+from _models import reference_greedy
 from scipy.stats import chi2
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
@@ -13,25 +13,6 @@ from trl_infinite.engine.spec_decode import Drafter, Proposal, register_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
 MAX_NEW = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a shared, oversubscribed CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3")
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_model("llama", seed=3)
 
 
 class _ModelOracle(Drafter):

@@ -8,22 +8,11 @@ import random
 
 import pytest
 import torch
-from _models import tiny_model
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31], [11, 12, 11, 12, 11], [40, 41, 42, 43]]
 G, MAX_NEW = 8, 24
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3")
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_model("llama", seed=3)
 
 
 def _run(model, sampling, method=None, draft=None, **kw):

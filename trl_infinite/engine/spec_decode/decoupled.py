@@ -99,7 +99,7 @@ class DecoupledStep(SpeculativeStep):
         if times is None:
             return
         acceptance = {s.seq_id: self.tracker.alpha(s.seq_id) for s in seqs if s.seq_id in self.tracker.counts}
-        self.per_row = reconfigure(times, self.plan, acceptance, self.w_max)
+        self.per_row = reconfigure(times, self.plan, acceptance, self.w_max, len(seqs))
 
     # -- drafting
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
