@@ -201,6 +201,7 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
     suffix_table = _pad([s.suffix_blocks for s in segments])
     slot_mapping = slots_for_positions(q_pos[:, None], prompt_lens[q_seg], prefix_table[q_seg], suffix_table[q_seg], block_size)[:, 0]
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    copies = torch.tensor([c for s in segments for c in s.copies], dtype=torch.long).reshape(-1, 2)  # [C, 2]
     meta = PagedAttentionMetadata(
         block_size=block_size,
         slot_mapping=to(slot_mapping),
@@ -212,11 +213,8 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
         suffix_table=to(suffix_table),
         seg_group=to(torch.tensor([s.group_index for s in segments], dtype=torch.long)),
         max_q_len=int(q_lens.max()),
+        copy_slots=(to(copies[:, 0]), to(copies[:, 1])) if copies.numel() else None,
     )
-    copies = [c for s in segments for c in s.copies]
-    if copies:
-        pairs = torch.tensor(copies, dtype=torch.long)
-        meta.copy_slots = (to(pairs[:, 0]), to(pairs[:, 1]))
     return to(input_ids)[None], to(q_pos)[None], meta
 
 
