@@ -77,6 +77,13 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+def make_engine(model, args, cache: bool) -> RolloutEngine:
+    """The engine of one row: every sample of the call decoding at once, the cache on or off."""
+    return RolloutEngine(model, EngineConfig(prefix_cache=cache, block_size=args.block_size,
+                                             max_active_sequences=args.prompts * args.group,
+                                             kv_cache_tokens=args.kv_tokens))
+
+
 def run_tool(args) -> list[dict]:
     from trl.chat_template_utils import qwen3_chat_template
 
@@ -91,9 +98,7 @@ def run_tool(args) -> list[dict]:
     model = tiny_model(len(tok))
     rows = []
     for cache in (False, True):
-        engine = RolloutEngine(model, EngineConfig(prefix_cache=cache, block_size=args.block_size,
-                                                   max_active_sequences=args.prompts * args.group,
-                                                   kv_cache_tokens=args.kv_tokens))
+        engine = make_engine(model, args, cache)
         sampling = SamplingParams(max_new_tokens=args.completion, temperature=1.0, seed=0)
         trie, turns = Trie(), []
         current, g = prompts, args.group
@@ -137,9 +142,7 @@ def run_gsm8k(args) -> list[dict]:
     model = tiny_model(len(tok))
     rows = []
     for cache in (False, True):
-        engine = RolloutEngine(model, EngineConfig(prefix_cache=cache, block_size=args.block_size,
-                                                   max_active_sequences=args.prompts * args.group,
-                                                   kv_cache_tokens=args.kv_tokens))
+        engine = make_engine(model, args, cache)
         trie = Trie()
         new = sum(trie.add(p) for p in prompts)
         out = engine.generate(prompts, args.group, SamplingParams(max_new_tokens=args.completion, seed=0),

@@ -52,21 +52,18 @@ def test_suffix_drafts_from_the_prompts_earlier_completions(sources):
 
 
 def test_suffix_confidence_threshold_and_frequency():
-    _, seqs = _group([90], g=4)
-    d = build_drafter("suffix", speculative_suffix_min_confidence=0.6)
-    for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
-        d.start(s)
-        d.update(s, [1, 2, 3] + tail)
-    d.start(seqs[3])
-    d.update(seqs[3], [1, 2, 3])
-    assert d.propose([seqs[3]], [4])[0].tokens == [5, 6]  # 6 follows 5 in 2 of 3 siblings: 2/3 >= 0.6
-    strict = build_drafter("suffix", speculative_suffix_min_confidence=0.7)
-    for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
-        strict.start(s)
-        strict.update(s, [1, 2, 3] + tail)
-    strict.start(seqs[3])
-    strict.update(seqs[3], [1, 2, 3])
-    assert strict.propose([seqs[3]], [4])[0].tokens == [5]  # 2/3 < 0.7 stops before 6
+    def proposal(min_confidence: float) -> list[int]:
+        _, seqs = _group([90], g=4)
+        d = build_drafter("suffix", speculative_suffix_min_confidence=min_confidence)
+        for s, tail in zip(seqs[:3], ([5, 6], [5, 6], [5, 7])):
+            d.start(s)
+            d.update(s, [1, 2, 3] + tail)
+        d.start(seqs[3])
+        d.update(seqs[3], [1, 2, 3])
+        return d.propose([seqs[3]], [4])[0].tokens
+
+    assert proposal(0.6) == [5, 6]  # 6 follows 5 in 2 of 3 siblings: 2/3 >= 0.6
+    assert proposal(0.7) == [5]  # 2/3 < 0.7 stops before 6
 
 
 def test_ngram_prompt_lookup():
