@@ -176,7 +176,8 @@ def test_model_zoo_unknown_name():
 
 
 def test_pool_layout_with_per_layer_widths():
-    """MLA-style layers (keys 12 wide, values 8) and a layer with one KV head: per-layer tensors, exact block bytes."""
+    """MLA-style layers (keys 12 wide, values 8) and a layer with one KV head: per-layer views of one allocation
+    (freed as a whole), exact block bytes."""
     from trl_infinite.engine.kv_pool import KVLayout
 
     layout = KVLayout(num_kv_heads=(4, 1), k_dims=(12, 16), v_dims=(8, 16))
@@ -184,6 +185,9 @@ def test_pool_layout_with_per_layer_widths():
     assert [t.shape for t in pool.k_caches] == [(64, 4, 12), (64, 1, 16)]
     assert [t.shape for t in pool.v_caches] == [(64, 4, 8), (64, 1, 16)]
     assert pool.block_bytes == 16 * (4 * (12 + 8) + 1 * (16 + 16)) * 4
+    storage = {t.untyped_storage().data_ptr() for t in (*pool.k_caches, *pool.v_caches)}
+    assert len(storage) == 1 and pool.k_caches[0].untyped_storage().nbytes() == pool.allocated_bytes
+    assert all(t.is_contiguous() for t in (*pool.k_caches, *pool.v_caches))
     pool.k_caches[0][[3, 17]] = 1.0  # slots 3 (block 0) and 17 (block 1)
     saved = pool.copy_out([0, 1])  # the host tier: per-layer copies of whole blocks
     pool.k_caches[0].zero_()

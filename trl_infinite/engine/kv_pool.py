@@ -146,9 +146,17 @@ class KVCachePool:
         self.num_blocks = usable_blocks
         self.null_block = usable_blocks
         slots = (usable_blocks + 1) * self.block_size
-        lay, dtype, device = self.layout, self.dtype, self.device
-        self.k_caches = [torch.zeros(slots, h, d, dtype=dtype, device=device) for h, d in zip(lay.num_kv_heads, lay.k_dims)]
-        self.v_caches = [torch.zeros(slots, h, d, dtype=dtype, device=device) for h, d in zip(lay.num_kv_heads, lay.v_dims)]
+        lay = self.layout
+        shapes = [(slots, h, d) for h, d in zip(lay.num_kv_heads, lay.k_dims)]
+        shapes += [(slots, h, d) for h, d in zip(lay.num_kv_heads, lay.v_dims)]
+        # One allocation carved into per-layer views: freed as a whole (on CPU a block this large is its own mapping,
+        # given back to the OS at once; many per-layer tensors would stay in the heap and fragment it)
+        storage = torch.zeros(sum(s * h * d for s, h, d in shapes), dtype=self.dtype, device=self.device)
+        views, offset = [], 0
+        for s, h, d in shapes:
+            views.append(storage[offset : offset + s * h * d].view(s, h, d))
+            offset += s * h * d
+        self.k_caches, self.v_caches = views[: lay.num_layers], views[lay.num_layers :]
         self.allocator = BlockAllocator(usable_blocks, self.block_size, self.prefix_cache)
 
     @property

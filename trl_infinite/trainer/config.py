@@ -90,8 +90,26 @@ class InfiniteGRPOConfig(GRPOConfig):
         },
     )
 
+    host_tensor_cache_mb: int | None = field(
+        default=256,
+        metadata={
+            "help": "Training on CPU: CPU tensors of 1 MiB or more come from a caching allocator (each its own "
+            "mapping, a freed one reused by the next tensor of its size class) that keeps at most this many MiB of "
+            "freed blocks, giving the oldest back to the OS beyond it, and all of them after each rollout "
+            "(`engine/host_memory.py`). With glibc's `malloc` alone the small allocations made between large ones "
+            "fragment the heap, and the step's resident memory grows with the tokens per step far beyond its live "
+            "tensors. Process-wide once installed; values are unchanged. None: off (PyTorch's default allocator)."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.host_tensor_cache_mb is not None and (
+            not isinstance(self.host_tensor_cache_mb, int) or isinstance(self.host_tensor_cache_mb, bool)
+            or self.host_tensor_cache_mb < 0
+        ):
+            raise ValueError(f"`host_tensor_cache_mb` must be a non-negative integer or None, got "
+                             f"{self.host_tensor_cache_mb!r}.")
         if self.backward_token_budget is not None and (
             not isinstance(self.backward_token_budget, int) or isinstance(self.backward_token_budget, bool)
             or self.backward_token_budget < 1

@@ -17,7 +17,7 @@ from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
-from ..engine import RolloutEngine
+from ..engine import RolloutEngine, host_memory
 from ..engine.support import UnsupportedModelError, check_structure
 from .backprop import make_micro_batches
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
@@ -86,10 +86,19 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 self.engine_fallback_reasons.append(str(err))
         if self.engine_fallback_reasons:
             self._warn_fallback(stacklevel=3)
+        self.host_tensor_cache = self._install_host_tensor_cache()
         self.shared_prefix: SharedPrefixForward | None = None
         self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
         if getattr(self.args, "shared_prefix_training", False):
             self._install_shared_prefix()
+
+    def _install_host_tensor_cache(self) -> bool:
+        """Training on CPU: large CPU tensors from the caching allocator of `engine/host_memory.py`
+        (`host_tensor_cache_mb`), so the step's resident memory follows its live tensors."""
+        limit = getattr(self.args, "host_tensor_cache_mb", None)
+        if limit is None or self.accelerator.device.type != "cpu":
+            return False
+        return host_memory.install(int(limit) << 20)
 
     def _install_shared_prefix(self) -> None:
         """The shared-prefix training forward on the policy (the module TRL gave its fused LM head), if the model
@@ -143,6 +152,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
             if engine is not None:
                 engine.release_pool()
+            if getattr(self, "host_tensor_cache", False):
+                host_memory.trim()  # the rollout's freed blocks, before the loss's forward and backward
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Engine rollout for rows that hold each prompt `num_generations` times in a row (TRL's layout); the tool
