@@ -8,6 +8,9 @@
   exactly one graph per batch bucket: no recompilation while rows finish and join over 50+ steps in one bucket,
   nor in a second call with a new seed and other lengths.
 - On CUDA (skipped elsewhere): CUDA graphs on and off give identical greedy output.
+- A step that asks for hidden states finds transformers' output-capturing hooks installed before it runs (Dynamo
+  cannot trace their lazy installation): on exactly the modules a first eager forward asking for them hooks, once,
+  and not on a model the text forward does not run (Gemma 3's vision tower).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from torch._dynamo.utils import counters
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import Segment, build_metadata, decode_metadata, with_context
 from trl_infinite.engine.decode_rows import DecodeRows
+from trl_infinite.engine.output_capture import install_capturing_hooks
 from trl_infinite.engine.sequence import make_group
 from trl_infinite.engine.static_decode import bucket_sizes
+from trl_infinite.engine.support import check_support
+from trl_infinite.testing.tiny_configs import build_tiny_model
 
 BLOCK = 4
 
@@ -163,6 +169,27 @@ def test_compiled_step_has_no_graph_break_and_one_graph_per_bucket():
                                                     repetition_penalty=1.1, seed=2), forced_lengths=other)
     assert counters["stats"]["unique_graphs"] <= len(bucket_sizes(4))  # new seed, prompt, lengths: no new graph
     assert not counters["graph_break"]
+
+
+def _capture_hooks(model) -> tuple[dict, set]:
+    """(forward hooks per module name, names of the models marked as hooked)."""
+    return ({n: len(m._forward_hooks) for n, m in model.named_modules() if m._forward_hooks},
+            {n for n, m in model.named_modules() if getattr(m, "_output_capturing_hooks_installed", False)})
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3"])
+def test_capture_hooks_installed_where_a_first_eager_forward_puts_them(model_type):
+    lazy, eager = build_tiny_model(model_type), build_tiny_model(model_type)
+    with torch.no_grad():
+        lazy(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    models = check_support(eager).capture_models
+    install_capturing_hooks(models)
+    install_capturing_hooks(models)  # once only
+    assert _capture_hooks(eager) == _capture_hooks(lazy)
+    assert _capture_hooks(eager)[0]  # there were hooks to install
+    with torch.no_grad():  # transformers' own lazy installation adds none
+        eager(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert _capture_hooks(eager) == _capture_hooks(lazy)
 
 
 @pytest.mark.parametrize("update", ["in_place", "new_storage"])

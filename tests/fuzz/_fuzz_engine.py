@@ -288,10 +288,11 @@ def world() -> World:
     return _WORLD[0]
 
 
-def run_case(case) -> None:
-    """Build the engine of `case`, make its calls, check every invariant after each."""
+def run_case(case, model=None) -> None:
+    """Build the engine of `case`, make its calls, check every invariant after each. `model`: the model to run
+    instead of the world's (a fresh `tiny_model(case.arch)` has the same weights, so the same references)."""
     w = world()
-    model = w.models[case.arch]
+    model = w.models[case.arch] if model is None else model
     config = case.engine_config(w.draft)
     engine = RolloutEngine(model, config)
     for call in case.calls:

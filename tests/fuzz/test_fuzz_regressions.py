@@ -15,11 +15,15 @@
    block as the source of a partial hit, taking the block its sample's first own block needed.
 6. The same (issue 28, `fuzz-ci`): a parked sample's prompt counted its cache hits as shared blocks before the idle
    prompts holding them were evicted, which left them unreferenced: the admission needed more blocks than counted.
+7. The compiled step crashed with the `prefix` length predictor (`fuzz-long`, `compile=True`): its first forward
+   asking for hidden states was the compiled one, where transformers installs its output-capturing hooks lazily
+   under a `threading.Lock` Dynamo cannot trace (a graph break under `fullgraph=True`).
 """
 
 from __future__ import annotations
 
 from _fuzz_engine import Call, Case, run_case
+from _models import tiny_model
 
 from trl_infinite.engine import SamplingParams
 
@@ -68,3 +72,16 @@ def test_evicting_idle_prompts_recounts_a_prompts_cache_hits():
               "prefix_cache": True}
     sampling = SamplingParams(max_new_tokens=3, temperature=0.7, seed=0, generation_kwargs={"no_repeat_ngram_size": 2})
     run_case(Case("qwen3", config, 0, [Call([[0, 0], [0], [0, 0]], 1, sampling)]))
+
+
+def test_the_compiled_step_asks_a_fresh_model_for_hidden_states():
+    """Found with inductor; the `eager` backend runs the same Dynamo tracing that failed, without the slow C++ build.
+    A fresh model: the world's may already carry the hooks from an earlier eager forward that asked for them."""
+    config = {**BASE, "max_active_sequences": 5, "scheduler": "lfs", "length_predictor": "prefix",
+              "batch_policy": "sla", "sla_decode_ms": 5.0, "sla_window": 1, "chunk_tokens": 8,
+              "cpu_decode_kernel": True, "compile": True, "compile_backend": "eager"}
+    sampling = SamplingParams(max_new_tokens=19, temperature=0.0)
+    model = tiny_model("qwen3")
+    run_case(Case("qwen3", config, 0, [Call([[32, 7], [86, 22, 74, 2, 3, 25, 47, 37], [32, 7]], 6, sampling)]),
+             model=model)
+    assert model.model._output_capturing_hooks_installed  # the step did ask for them

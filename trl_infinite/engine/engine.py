@@ -67,7 +67,8 @@ class RolloutEngine:
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
                                 reserve_bytes=reserve, allocate=False)
         self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
-                                  cpu_decode_kernel=self.support.decode_kernel)
+                                  cpu_decode_kernel=self.support.decode_kernel,
+                                  capture_models=self.support.capture_models)
         self.decoder = StaticDecoder(self.runner, compile=decode.compile, cuda_graphs=decode.cuda_graphs,
                                      compile_backend=decode.compile_backend, max_graph_rows=graph_rows)
         if self.decoder.use_graphs:  # a step that cannot be captured turns graphs off here, with a warning

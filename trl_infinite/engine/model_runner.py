@@ -32,12 +32,14 @@ class ModelRunner:
     """One forward = one packed batch; returns the logits of the requested query tokens only."""
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec],
-                 cpu_decode_kernel: bool = False):
-        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`). `cpu_decode_kernel`:
+                 cpu_decode_kernel: bool = False, capture_models: tuple[torch.nn.Module, ...] = ()):
+        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`); `capture_models`: the
+        models transformers installs its hidden-state hooks from (`ModelSupport.capture_models`). `cpu_decode_kernel`:
         decode forwards go through `attention/cpu_decode`'s C++ kernel where it serves the layer
         (`decode_kernel_serves`; built here if no engine built it before; if it cannot be built, the torch path).
         The engine passes `ModelSupport.decode_kernel`: True only once the kernel passed the exactness check."""
         self.model = model
+        self.capture_models = capture_models
         self.pool = pool
         self.device = pool.device
         self.backend = resolve_backend(attention_backend, self.device)

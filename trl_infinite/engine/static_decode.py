@@ -27,6 +27,7 @@ from .compiled_step import CompiledStep
 from .cuda_graphs import PoolMemory, graph_runtime
 from .decode_rows import DecodeRows
 from .model_runner import ModelRunner
+from .output_capture import install_capturing_hooks
 from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seed_base
 from .sampling_params import SamplingParams
@@ -120,6 +121,8 @@ class StaticDecoder:
         if self.rows is None or not self.rows.fits(cap, pcols, ocols, vocab) or self.rows.null_block != pool.null_block:
             self.rows = DecodeRows(cap, pcols, ocols, self.block_size, pool.null_block, self.device, vocab)
             self._clear_graphs()
+        if want_hidden:  # before the first step asking for them, which may be compiled (`output_capture.py`)
+            install_capturing_hooks(self.runner.capture_models)
         if self.sampler is None or self.sampler.params_key != sampler.params_key or want_hidden != self.want_hidden:
             self.sampler, self.want_hidden = sampler, want_hidden
             self._clear_graphs()

@@ -39,6 +39,7 @@ from .exactness import exactness_problem
 from .inputs import model_vocab_size
 from .kv_pool import KVLayout
 from .model_runner import decode_kernel_serves
+from .output_capture import capturing_models
 from .probe import AttentionCall, ProbeRecord, probe_tokens, record_attention_calls
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class ModelSupport:
     stores K/V in (`kv_dtype`: the dtype the model's attention consumes them in, the autocast dtype under autocast);
     the dtype its logits are computed in (`compute_dtype`: the autocast dtype, else the parameters', which sets the
     exactness tolerance); the autocast dtype its forward runs under (None: off); whether decode attention runs
-    through the C++ CPU kernel (built and checked exact on this model)."""
+    through the C++ CPU kernel (built and checked exact on this model); the models a forward asking for hidden
+    states installs transformers' capturing hooks from (`output_capture.capturing_models`)."""
 
     kv: KVLayout
     layers: dict[int, LayerSpec]
@@ -76,6 +78,7 @@ class ModelSupport:
     compute_dtype: torch.dtype = torch.float32
     autocast: torch.dtype | None = None
     decode_kernel: bool = False
+    capture_models: tuple[torch.nn.Module, ...] = ()
 
 
 def model_name(model: torch.nn.Module) -> str:
@@ -192,7 +195,7 @@ def verdict(model: torch.nn.Module, record: ProbeRecord) -> ModelSupport:
     kv_dtype, autocast = _dtypes(model, calls)
     param_dtype = next(model.parameters()).dtype
     return ModelSupport(kv=kv, layers=specs, kv_dtype=kv_dtype, compute_dtype=autocast or param_dtype,
-                        autocast=autocast)
+                        autocast=autocast, capture_models=capturing_models(model, (c.module for c in calls)))
 
 
 def _dtypes(model, calls: list[AttentionCall]) -> tuple[torch.dtype, torch.dtype | None]:
