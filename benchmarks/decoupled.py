@@ -12,13 +12,19 @@ the plan the decoupled engine chose, the measured speed (generated tokens / wall
 speed for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
 engine's fitted step times, host work outside the forwards not modelled), and the speed-up over `none`.
 `same_as_none`: whether the call emitted plain decoding's tokens; a row may differ only after a tie at float32
-rounding (checked, as the fuzzer does; anything else raises).
+rounding (checked, as the fuzzer does; anything else raises, naming the mode, row, token and margin).
+
+`--repeats N`: N repetitions per batch size with fresh engines, the three modes interleaved (each mode runs first
+in turn), so that the machine's load drifts over all of them alike; `wall_s` / `cpu_s` are the medians over the
+repetitions, `wall_range` their spread, `load` the range of the 1-minute load average when the measured calls
+started (on a shared machine wall times are only comparable at a load below the core count; the drafter thread
+needs a free core); the other columns are the last repetition's.
 
 Drafters: `--drafter suffix` (the group's suffix tree: nearly free drafting, so the plan is expected to keep coupled
 execution) or `--drafter draft_model` (a truncated SmolLM2, its first `--draft-layers` layers with the final norm and
 head: costly drafting, the case decoupled execution is for).
 
-    python benchmarks/decoupled.py --drafter draft_model --batches 8 32 64 --max-new-tokens 96
+    python benchmarks/decoupled.py --drafter suffix --batches 8 32 64 --max-new-tokens 64 --repeats 5
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shlex
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from common import Table, pick_device, run_header, write_results
@@ -51,30 +60,85 @@ def gsm8k_train_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def check_same(model, prompts, g: int, sp: SamplingParams, got: list[list[int]], ref: list[list[int]]) -> str:
-    """'identical', or 'n ties' when n rows differ from plain decoding's and each first difference is a tie at
-    float32 rounding (the inverse-CDF uniform within 1e-5 of the CDF boundary between the two tokens, in the
-    processed distribution of the model's own full forward: a verification forward and a one-token forward round
-    differently, `tests/fuzz/_fuzz_engine.py`); raises on a difference that is not a tie."""
-    ties = 0
-    for row, (a, r) in enumerate(zip(got, ref)):
+TIE_TOLERANCE = 1e-5  # the fuzzer's (`tests/fuzz/_fuzz_engine.py`): relative to the row's total mass
+
+
+@dataclass
+class Difference:
+    """Where a row of `mode` first leaves plain decoding's tokens, judged on the model's own full forward.
+
+    `margin`: distance of the inverse-CDF target (uniform x total mass) to the nearest CDF boundary between the two
+    tokens, relative to the total mass (greedy: the two logits' difference relative to the largest); a tie at
+    float32 rounding when `margin <= TIE_TOLERANCE`; `lp_got` /
+    `lp_ref`: the full forward's processed log-probs of the two tokens; `noise`: the largest difference between the
+    two runs' emitted log-probs over the row's common prefix (0..k-1), and `noise_k`: the engine's log-prob of plain
+    decoding's token k against the full forward's (the size of the float32 rounding between forwards of different
+    shapes, to judge `margin` against)."""
+
+    mode: str
+    row: int
+    k: int
+    got: int
+    ref: int
+    margin: float
+    lp_got: float
+    lp_ref: float
+    noise: float
+    noise_k: float
+
+    @property
+    def tie(self) -> bool:
+        return self.margin <= TIE_TOLERANCE
+
+    def __str__(self) -> str:
+        return (f"{self.mode} row {self.row} token {self.k}: {self.got} vs plain {self.ref}, margin "
+                f"{self.margin:.3g} = {self.margin / TIE_TOLERANCE:.3g} x tolerance, full-forward log-probs "
+                f"{self.lp_got:.6g} / {self.lp_ref:.6g}, run-to-run log-prob noise on the prefix {self.noise:.3g}, "
+                f"plain run vs full forward at k {self.noise_k:.3g}")
+
+
+def differences(model, prompts, g: int, sp: SamplingParams, mode: str, got, ref) -> list[Difference]:
+    """Every row of `got` (a `RolloutResult`) that leaves `ref`'s tokens (plain decoding), with its diagnosis."""
+    out = []
+    for row, (a, r) in enumerate(zip(got.completion_ids, ref.completion_ids)):
         if a == r:
             continue
-        k = next(i for i in range(min(len(a), len(r)) + 1) if i >= min(len(a), len(r)) or a[i] != r[i])
-        if k >= min(len(a), len(r)):
-            raise RuntimeError(f"row {row}: one output is a prefix of the other")
+        k = next((i for i in range(min(len(a), len(r))) if a[i] != r[i]), None)
+        if k is None:
+            raise RuntimeError(f"{mode} row {row}: one output is a prefix of the other ({len(a)} vs {len(r)} tokens)")
         prompt = prompts[row // g]
         with torch.inference_mode():
             logits = model(torch.tensor([prompt + r[:k]])).logits[0, -1:].float()
-        probs = Sampler(sp).process(logits)[0].double().exp()
-        cdf = probs.cumsum(0)
-        key = row_keys(sp.seed, torch.tensor([row // g]), torch.tensor([row % g]), torch.tensor([len(prompt) + k]))
-        target = uniform64(key)[0].item() * cdf[-1].item()
-        lo, hi = min(a[k], r[k]), max(a[k], r[k])
-        if (cdf[lo:hi] - target).abs().min().item() > 1e-5 * cdf[-1].item():
-            raise RuntimeError(f"row {row} differs from plain decoding at token {k} without a tie")
-        ties += 1
-    return "identical" if ties == 0 else f"{ties} ties"
+        processed = Sampler(sp).process(logits)[0].double()  # [V]
+        if sp.greedy:  # an argmax tie: the two logits within the tolerance of the largest
+            margin = abs(processed[a[k]] - processed[r[k]]).item() / max(1.0, processed.abs().max().item())
+        else:
+            cdf = processed.exp().cumsum(0)
+            key = row_keys(sp.seed, torch.tensor([row // g]), torch.tensor([row % g]),
+                           torch.tensor([len(prompt) + k]))
+            target = uniform64(key)[0].item() * cdf[-1].item()
+            lo, hi = min(a[k], r[k]), max(a[k], r[k])
+            margin = (cdf[lo:hi] - target).abs().min().item() / cdf[-1].item()
+        noise = max((abs(x - y) for x, y in zip(got.logprobs[row][:k], ref.logprobs[row][:k])), default=0.0)
+        out.append(Difference(mode, row, k, a[k], r[k], margin, processed[a[k]].item(), processed[r[k]].item(),
+                              noise, abs(ref.logprobs[row][k] - processed[r[k]].item())))
+    return out
+
+
+def check_same(model, prompts, g: int, sp: SamplingParams, mode: str, got, ref) -> str:
+    """'identical', or 'n ties' when n rows differ from plain decoding's (`ref`) and each first difference is a tie
+    at float32 rounding (the inverse-CDF uniform within `TIE_TOLERANCE` of the CDF boundary between the two tokens,
+    in the processed distribution of the model's own full forward: a verification forward and a one-token forward
+    round differently, `tests/fuzz/_fuzz_engine.py`); raises on a difference that is not a tie, naming the mode,
+    row, token, both tokens, the margin and the rounding noise (`Difference`). Greedy: a tie is two logits within
+    the tolerance (the fuzzer's rule)."""
+    diffs = differences(model, prompts, g, sp, mode, got, ref)
+    for d in diffs:
+        print(f"  difference: {d}", file=sys.stderr, flush=True)
+    bad = [d for d in diffs if not d.tie]
+    if bad:
+        raise RuntimeError("differs from plain decoding without a tie: " + "; ".join(map(str, bad)))
+    return "identical" if not diffs else f"{len(diffs)} ties"
 
 
 def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
@@ -113,17 +177,22 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--order", nargs=3, default=["none", "coupled", "decoupled"], choices=MODES,
                     help="order in which the three engines of a batch size run (wall times drift on a shared CPU)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="repetitions per batch size, the three modes interleaved (each runs first in turn, fresh "
+                         "engines each time); wall_s / cpu_s are the medians, wall_range the spread")
     ap.add_argument("--json", default=None, help="write the run as JSON (and the markdown beside it)")
     args = ap.parse_args()
     if sorted(args.order) != sorted(MODES):
         ap.error(f"--order must name each of {list(MODES)} once")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     device = pick_device("cpu")
     model, tok = load_smollm2()
     draft = truncated(model, args.draft_layers) if args.drafter == "draft_model" else None
     header = run_header(device, "python benchmarks/decoupled.py " + shlex.join(sys.argv[1:]))
-    table = Table(["batch", "mode", "same_as_none", "wall_s", "cpu_s", "decode_fwd", "verify_fwd", "accept_len", "plan", "tok_s",
-                   "sim_tok_s", "speedup_vs_none"])
+    table = Table(["batch", "mode", "same_as_none", "wall_s", "wall_range", "cpu_s", "load", "decode_fwd", "verify_fwd",
+                   "accept_len", "plan", "tok_s", "sim_tok_s", "speedup_vs_none"])
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                         eos_token_ids=[tok.eos_token_id])
     warm = SamplingParams(max_new_tokens=16, temperature=args.temperature, seed=args.seed + 1,
@@ -131,20 +200,34 @@ def main() -> None:
     for b in args.batches:
         g = args.group_size
         prompts = gsm8k_train_prompts(tok, max(1, b // g))
+        walls: dict[str, list[float]] = {m: [] for m in MODES}
+        cpus: dict[str, list[float]] = {m: [] for m in MODES}
+        loads: list[float] = []
+        same: dict[str, list[str]] = {m: [] for m in MODES}
         runs = {}
-        for mode in args.order:
-            engine = RolloutEngine(model, engine_config(args, mode, b, draft))
-            engine.generate(prompts, g, warm)
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = engine.generate(prompts, g, sp)
-            runs[mode] = (out, time.perf_counter() - t0, time.process_time() - c0, engine)
-            print(f"b={b} {mode}: {runs[mode][1]:.1f}s", file=sys.stderr, flush=True)
+        for rep in range(args.repeats):
+            order = args.order[rep % 3:] + args.order[: rep % 3]  # interleaved: each mode first in turn
+            reps = {}
+            for mode in order:
+                engine = RolloutEngine(model, engine_config(args, mode, b, draft))
+                engine.generate(prompts, g, warm)
+                loads.append(os.getloadavg()[0])
+                t0, c0 = time.perf_counter(), time.process_time()
+                out = engine.generate(prompts, g, sp)
+                reps[mode] = (out, time.perf_counter() - t0, time.process_time() - c0, engine)
+                walls[mode].append(reps[mode][1])
+                cpus[mode].append(reps[mode][2])
+                print(f"b={b} rep {rep} {mode}: {reps[mode][1]:.1f}s wall, {reps[mode][2]:.1f}s cpu, load "
+                      f"{loads[-1]:.2f}", file=sys.stderr, flush=True)
+            for m in MODES:
+                same[m].append(check_same(model, prompts, g, sp, m, reps[m][0], reps["none"][0]))
+            runs = reps  # the columns other than wall / cpu: the last repetition
         ref = runs["none"][0].completion_ids
-        same = {m: check_same(model, prompts, g, sp, runs[m][0].completion_ids, ref) for m in MODES}
         base_speed = None
         fitted = [m for m in ("decoupled", "coupled") if runs[m][3].speculator.step_times() is not None]
         for mode in MODES:
-            out, wall, cpu, engine = runs[mode]
+            out, _, _, engine = runs[mode]
+            wall, cpu = statistics.median(walls[mode]), statistics.median(cpus[mode])
             s = out.stats
             source = mode if mode in fitted else (fitted[0] if fitted else None)  # the step times and acceptance
             times = runs[source][3].speculator.step_times() if source else None
@@ -163,9 +246,11 @@ def main() -> None:
             base_speed = base_speed or speed
             plan = (f"{s.extra['spec_plan_mode']} w={s.extra['spec_plan_window']}"
                     if "spec_plan_mode" in s.extra else ("-" if mode != "decoupled" else "none made"))
-            table.add(batch=b, mode=mode, same_as_none=same[mode], wall_s=wall, cpu_s=cpu, decode_fwd=s.decode_steps, verify_fwd=s.verify_steps,
-                      accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed, sim_tok_s=sim_speed,
-                      speedup_vs_none=speed / base_speed)
+            table.add(batch=b, mode=mode, same_as_none=", ".join(sorted(set(same[mode]))), wall_s=wall,
+                      wall_range=f"{min(walls[mode]):.3g}-{max(walls[mode]):.3g}", cpu_s=cpu,
+                      load=f"{min(loads):.2f}-{max(loads):.2f}", decode_fwd=s.decode_steps,
+                      verify_fwd=s.verify_steps, accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed,
+                      sim_tok_s=sim_speed, speedup_vs_none=speed / base_speed)
     write_results(args.json, header, table, {"args": vars(args)})
 
 

@@ -178,3 +178,20 @@ def test_unreferenced_cached_blocks_are_evicted_lru_only_when_needed():
     assert alloc.allocate(1) == [blocks[0]] and not cache.is_cached(blocks[0])  # then the least recently used
     assert cache.match(ids, keys) == []  # the chain starts at the evicted block
     assert not alloc.can_allocate(2) and alloc.can_allocate(1)
+
+
+def test_partial_copies_from_a_block_copied_in_the_same_step(model):
+    """A header ending inside a block, several prompts prefilled in one step: a later prompt's partial hit may find
+    as its source the block of an earlier prompt of the same step whose header ids are themselves copied in that
+    step; the copy must read the original slots (a gather of the not-yet-copied destination gave unwritten KV:
+    wrong log-probs from the third prompt on, found on SmolLM2 with a chat template's header). Log-probs, not only
+    greedy tokens, equal the engine's without the cache."""
+    header = _rand(int(2.5 * BLOCK), 1)
+    prompts = [header + _rand(n, 20 + n) for n in (3, 4, 5, 6, 7)]  # every prompt's block 2 is full: a cached child
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+    on = _engine(model, max_active_sequences=16).generate(prompts, 1, sp)
+    off = _engine(model, max_active_sequences=16, prefix_cache=False).generate(prompts, 1, sp)
+    assert on.stats.prefix_cache_hit_tokens == 2 * BLOCK * 4 + 2 * 4  # one prefill step: 4 prompts hit
+    assert on.completion_ids == off.completion_ids
+    for a, b in zip(on.logprobs, off.logprobs):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)

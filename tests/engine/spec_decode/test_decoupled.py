@@ -113,6 +113,29 @@ def test_drafter_thread_joined_when_a_step_raises(model, draft):
     assert out.completion_ids == _engine(model).generate(PROMPTS, 2, sp).completion_ids
 
 
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_coupled_plan_runs_coupled_speculation_without_a_drafter_thread(model, monkeypatch, window):
+    """When the plan gives every row coupled execution the step is coupled speculation (window > 0: the coupled
+    controller's drafts, verified) or plain decoding (window 0: no draft at all), and no drafter thread starts."""
+    import trl_infinite.engine.spec_decode.decoupled as decoupled
+
+    def no_thread(*args, **kwargs):
+        raise AssertionError("a drafter thread was started under a coupled plan")
+
+    monkeypatch.setattr(decoupled, "plan", lambda times, p, b, w_max: Plan(COUPLED, window, 1.0))
+    monkeypatch.setattr(decoupled, "ThreadPoolExecutor", no_thread)
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    engine = _engine(model, "suffix", speculative_decoupled=True, speculative_reconfigure_every=2)
+    engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
+    out = engine.generate(PROMPTS, 2, sp)
+    s = out.stats
+    assert s.extra["spec_plan_mode"] == COUPLED and s.extra["spec_plans"] > 0
+    assert s.extra["spec_decoupled_rows"] == 0 and s.extra["spec_ahead_tokens"] == 0
+    assert (s.draft_tokens == 0) == (window == 0)
+    assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
+
+
 # ---------------------------------------------------------------------------------------------------- the plan
 def _brute_tgs(times: StepTimes, p: float, w: int, b: int, decoupled: bool) -> float:
     """The TGS formulas written out again (plan.py's module docstring), from first principles."""

@@ -12,6 +12,8 @@ Per decode step, for each row in decoupled mode with window w:
    are `D + [e_1]`.
 Rows in coupled mode (the plan's fallback, or a request Alg. 2 moved there) are drafted before the forward, on the
 caller's thread, as in coupled speculation; every row is verified in the one verification forward of the step.
+When no row is in decoupled mode the step is exactly coupled speculation (the coupled controller's per-sample
+lengths, within Alg. 2's windows) or, with a plan of no speculation, plain decoding: no drafter thread, no drafting.
 
 The drafter thread is one worker per call (on CUDA it drafts on its own stream); PyTorch releases the GIL inside
 its kernels, so on CPU a model drafter computes while the verifier's kernels run. The drafter's state is only ever
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sequence import SeqStatus, Sequence
+from .adaptive import plan_lengths
 from .drafter import EMPTY, Proposal
 from .plan import COUPLED, DECOUPLED, Plan, plan, reconfigure
 from .step import SpeculativeStep
@@ -111,6 +114,9 @@ class DecoupledStep(SpeculativeStep):
                 self._reconfigure(seqs)
         if self.plan is None:  # the step-time models are not profiled yet: today's coupled controller
             return super()._draft(seqs, lookahead)
+        rows = [self.per_row.get(s.seq_id, self.plan) for s in seqs]
+        if all(p.mode == COUPLED for p in rows):  # no row drafts ahead: exactly coupled speculation (or plain)
+            return self._draft_coupled(seqs, lookahead, rows)
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         out = [EMPTY] * len(seqs)
         ks = [0] * len(seqs)
@@ -135,6 +141,23 @@ class DecoupledStep(SpeculativeStep):
             coupled = self._propose(seqs, ks)
             out = [c if k else o for c, o, k in zip(coupled, out, ks)]
         return out
+
+    def _draft_coupled(self, seqs: list[Sequence], lookahead: int, rows: list[Plan]) -> list[Proposal]:
+        """Every row coupled: the coupled controller's lengths (`SpeculativeStep._draft`, per-sample acceptance and
+        the batch switch), each row capped at its plan's window where Alg. 2 gave it one and at 0 where the plan is
+        "no speculation"; the batch plan's own coupled window does not cap (the controller refines it per sample).
+        No drafter thread: with a plan of no speculation the step is the plain static one."""
+        self.counters["coupled_rows"] += len(seqs)
+        for s in seqs:  # windows drafted ahead under an earlier decoupled plan are void now
+            chain = self.chains.pop(s.seq_id, None)
+            if chain is not None:
+                self.counters["ahead_wasted"] += len(chain.tokens)
+        limit = [lookahead if p is self.plan and p.window > 0 else p.window for p in rows]
+        caps = [max(0, min(c, s.length_limit - s.num_generated - 1)) for c, s in zip(limit, seqs)]
+        if not any(caps):
+            return [EMPTY] * len(seqs)
+        alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
+        return self._propose(seqs, plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive))
 
     def _launch_ahead(self, seqs: list[Sequence], drafts: list[list[int]]):
         if not self.pending:
