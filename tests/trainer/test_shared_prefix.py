@@ -162,15 +162,25 @@ def test_micro_batches_hold_whole_groups(tmp_path, tokenizer, dataset):
 
 
 def test_kv_pool_is_free_during_the_backward(tmp_path, tokenizer, dataset, model):
-    """The engine's KV pool is held during the rollout and released before the loss's backward runs."""
+    """The engine's KV pool is held during the rollout and released before the loss's backward runs; on CPU the
+    host tensor cache is installed and keeps nothing from the rollout (trimmed after it)."""
+    from trl_infinite.engine import host_memory
+
     trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
                                   args=cpu_args(tmp_path, max_steps=2, gradient_checkpointing=False),
                                   train_dataset=dataset)
+    assert trainer.host_tensor_cache and host_memory.installed()
     during_backward = []
     weight = next(p for p in model.parameters() if p.requires_grad)
-    weight.register_hook(lambda grad: during_backward.append(trainer._engine.pool.allocated_bytes))
+
+    def hook(grad):
+        during_backward.append((trainer._engine.pool.allocated_bytes, host_memory.stats()))
+
+    weight.register_hook(hook)
     trainer.train()
     assert trainer.uses_engine and len(during_backward) == 2
-    assert during_backward == [0, 0]
+    assert [held for held, _ in during_backward] == [0, 0]
+    kept = [s.cached_bytes for _, s in during_backward]
+    assert all(k <= s.limit_bytes for k, (_, s) in zip(kept, during_backward))
     held = [h["rollout/peak_kv_gb"] for h in trainer.state.log_history if "rollout/peak_kv_gb" in h]
     assert held and all(v > 0 for v in held)  # the rollouts did use the pool

@@ -82,6 +82,8 @@ def test_every_engine_setting_is_a_cli_flag():
         ({"rollout_speculative_method": "draft_model"}, "rollout_speculative_draft_model"),
         ({"rollout_speculative_adaptive": "yes"}, "rollout_speculative_adaptive"),
         ({"rollout_reward_executor": "process"}, "rollout_reward_executor"),
+        ({"host_tensor_cache_mb": -1}, "host_tensor_cache_mb"),
+        ({"host_tensor_cache_mb": 1.5}, "host_tensor_cache_mb"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(tmp_path, overrides, field):

@@ -50,9 +50,6 @@ size_t size_class(size_t n) {  // n rounded up to an eighth of its power of two 
   return (n + step - 1) / step * step;
 }
 
-class HostCache;
-struct Block { HostCache* owner; void* ptr; size_t size; };
-
 class HostCache final : public c10::Allocator {
  public:
   explicit HostCache(c10::Allocator* previous) : previous_(previous) {}
@@ -78,21 +75,24 @@ class HostCache final : public c10::Allocator {
       mapped_ += size;
       ++misses_;
     }
-    return {p, new Block{this, p, size}, &HostCache::free_block, c10::Device(c10::DeviceType::CPU)};
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      sizes_[p] = size;
+    }
+    return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};  // context == data: `raw_allocate` works too
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
 
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
 
-  static void free_block(void* ctx) {
-    auto* block = static_cast<Block*>(ctx);
-    block->owner->keep(block->ptr, block->size);
-    delete block;
-  }
+  static void free_block(void* p);
 
-  void keep(void* p, size_t size) {
+  void keep(void* p) {
     std::lock_guard<std::mutex> guard(mutex_);
+    auto found = sizes_.find(p);
+    size_t size = found->second;
+    sizes_.erase(found);
     free_[size].push_back(p);
     order_.emplace_back(size, p);
     cached_ += size;
@@ -139,6 +139,7 @@ class HostCache final : public c10::Allocator {
   }
 
   std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;  // blocks in use -> their size class
   std::unordered_map<size_t, std::vector<void*>> free_;
   std::deque<std::pair<size_t, void*>> order_;
   size_t mapped_ = 0, cached_ = 0, hits_ = 0, misses_ = 0, limit_ = 0;
@@ -146,6 +147,8 @@ class HostCache final : public c10::Allocator {
 
 HostCache* cache = nullptr;  // never destroyed: tensors it allocated may outlive everything else
 constexpr uint8_t kPriority = 50;
+
+void HostCache::free_block(void* p) { cache->keep(p); }
 }  // namespace
 
 void install(int64_t limit) {
