@@ -56,6 +56,7 @@ class Scheduler:
         self.cache_completions = cache_completions and allocator.cache is not None
         self._keys: dict[int, list[int]] = {}  # group_id -> chain keys of its prompt's full blocks
         self._pinned: list[int] = []  # sources of this step's partial-hit copies, held until its forward ran
+        self._copied: dict[int, int] = {}  # target slot -> source slot of this step's partial-hit copies
         self.block_size = allocator.block_size
         self.policy = policy
         self.admission = admission
@@ -221,9 +222,10 @@ class Scheduler:
         group.prompt_blocks = hits + fresh
         group.num_cached = len(hits) * bs
         group.cache_copies = []
-        if partial is not None:
-            src, m = partial
-            group.cache_copies = [(src * bs + t, fresh[0] * bs + t) for t in range(m)]
+        if partial is not None:  # a source slot that is itself a target of this step: its own source (the forward
+            src, m = partial  # makes all copies at once, reading every source before writing any target)
+            group.cache_copies = [(self._copied.get(src * bs + t, src * bs + t), fresh[0] * bs + t) for t in range(m)]
+            self._copied.update((dst, source) for source, dst in group.cache_copies)
             group.num_cached += m
         if self.cache is None:
             return
@@ -396,6 +398,7 @@ class Scheduler:
         ended, roll back unused lookahead blocks, and return samples that reached their chunk to the queue."""
         self.allocator.free(self._pinned)  # the step's forward made its partial-hit copies
         self._pinned = []
+        self._copied = {}
         first_raw = out.first_raw_logprobs or [None] * len(out.first_tokens)
         for group, toks, lps, raws in zip(batch.prefill_groups, out.first_tokens, out.first_logprobs, first_raw):
             for k, (seq, t, lp) in enumerate(zip(group.pending_first(), toks, lps)):
