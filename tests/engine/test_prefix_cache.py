@@ -66,6 +66,32 @@ def test_identical_prompts_and_prompt_on_block_boundary(model):
     assert out.stats.prefill_tokens == 2 * BLOCK + 1 + BLOCK
 
 
+def test_a_partial_hit_on_a_block_filled_by_a_copy_in_the_same_forward(model, monkeypatch):
+    """Prompt 1 takes its first 2 ids by copy from prompt 0's block; prompt 2 takes 3 ids by copy from prompt 1's
+    block, 2 of them targets of the first copy. One forward makes every copy at once (each source read before any
+    target is written), so the second copy must read the first one's source, never a target of that forward."""
+    from trl_infinite.engine.scheduler import Scheduler
+
+    a = _rand(BLOCK, 60)
+    prompts = [a, a[:2] + _rand(3, 61), None]
+    prompts[2] = prompts[1][:BLOCK]
+    steps = []
+    schedule = Scheduler.schedule
+
+    def spy(self, lookahead=0):
+        batch = schedule(self, lookahead)
+        steps.append([c for g in batch.prefill_groups for c in g.cache_copies])
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    out = _engine(model).generate(prompts, 1, _greedy())
+    assert out.completion_ids == _refs(model, prompts, None)
+    assert steps[0] and len(steps[0]) == 2 + 3  # all three prompts were prefilled in one step
+    for copies in steps:
+        assert not {src for src, _ in copies} & {dst for _, dst in copies}
+    assert out.stats.prefix_cache_hit_tokens == 2 + 3
+
+
 def test_cache_across_calls_only_while_the_pool_is_kept(model):
     prompts = [_rand(10, 5), _rand(7, 6)]
     refs = _refs(model, prompts, None)

@@ -18,6 +18,10 @@
 7. The compiled step crashed with the `prefix` length predictor (`fuzz-long`, `compile=True`): its first forward
    asking for hidden states was the compiled one, where transformers installs its output-capturing hooks lazily
    under a `threading.Lock` Dynamo cannot trace (a graph break under `fullgraph=True`).
+8. Sampled rows differed with the prefix cache, a tight pool and ngram speculation (`fuzz-long`; the speculation
+   and the pool only shape the schedule): a re-prefilled prompt took a partial hit from a block whose first slot
+   was itself a partial-hit copy target in the same prefill forward, which makes all copies at once (sources read
+   before targets are written), so it copied the block's stale first slot.
 """
 
 from __future__ import annotations
@@ -85,3 +89,15 @@ def test_the_compiled_step_asks_a_fresh_model_for_hidden_states():
     run_case(Case("qwen3", config, 0, [Call([[32, 7], [86, 22, 74, 2, 3, 25, 47, 37], [32, 7]], 6, sampling)]),
              model=model)
     assert model.model._output_capturing_hooks_installed  # the step did ask for them
+
+
+def test_a_partial_hit_never_copies_another_copys_target():
+    config = {**BASE, "max_active_sequences": 5, "block_size": 2, "max_prefill_tokens": 5, "scheduler": "lrf",
+              "prefix_predictor_k": 4, "cpu_decode_kernel": True, "kv_cache_release": True, "prefix_cache": True,
+              "speculative_method": "ngram", "speculative_num_tokens": 4, "speculative_adaptive": False,
+              "speculative_suffix_sources": "siblings+history", "speculative_suffix_min_confidence": 0.0,
+              "speculative_ngram_min_n": 1, "speculative_ngram_max_n": 3, "speculative_best_of_n_tail_batch": 0,
+              "speculative_decoupled": False}
+    prompts = [[43, 37], [61, 65], [43, 33, 0], [0, 0, 74, 27, 17, 42, 23, 79, 63, 55, 27, 54, 86]]
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=0)
+    run_case(Case("qwen3", config, 3, [Call(prompts, 6, sampling)]))
