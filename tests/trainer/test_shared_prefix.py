@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from _models import tiny_model
-from conftest import cpu_args, token_sum_reward
+from trainer_helpers import cpu_args, token_sum_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_infinite.testing.tiny_configs import build_tiny_model

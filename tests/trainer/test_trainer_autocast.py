@@ -23,8 +23,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import PROMPTS, cpu_args, token_sum_reward
 from datasets import Dataset
+from trainer_helpers import PROMPTS, cpu_args, token_sum_reward
 
 from trl_infinite.engine.attention import cpu_decode
 from trl_infinite.testing.tiny_configs import build_tiny_model, sizes

@@ -3,7 +3,7 @@
 from dataclasses import fields
 
 import pytest
-from conftest import cpu_args
+from trainer_helpers import cpu_args
 
 from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.sections import flags
@@ -94,7 +94,7 @@ def test_invalid_values_raise_naming_the_field(tmp_path, overrides, field):
 def test_hybrid_model_falls_back_to_trls_generation(tmp_path, tokenizer, dataset):
     """A Mamba model fails the engine's support contract: the trainer says so once (naming the model type, the
     feature and `use_vllm=True`) and generates with TRL's own path, as `GRPOTrainer` would."""
-    from conftest import token_sum_reward
+    from trainer_helpers import token_sum_reward
 
     from trl_infinite.testing.tiny_configs import build_tiny_model
     from trl_infinite.trainer import InfiniteGRPOTrainer
@@ -111,7 +111,7 @@ def test_model_refused_by_the_engine_contract_trains_with_trls_generation(tmp_pa
     probe refuses it when the engine is built (first rollout); that rollout and every later one run TRL's own
     `generate`, with one warning naming the reason, and training proceeds."""
     import torch
-    from conftest import token_sum_reward
+    from trainer_helpers import token_sum_reward
 
     from trl_infinite.testing.tiny_configs import build_tiny_model
     from trl_infinite.trainer import InfiniteGRPOTrainer

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 from _models import tiny_model
-from conftest import cpu_args, token_sum_reward
+from trainer_helpers import cpu_args, token_sum_reward
 
 from trl_infinite.trainer import InfiniteGRPOTrainer
 

@@ -4,7 +4,7 @@ although the micro batches are length-sorted and each padded only to its own lon
 import pytest
 import torch
 from _models import tiny_model
-from conftest import cpu_args, token_sum_reward
+from trainer_helpers import cpu_args, token_sum_reward
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 

@@ -4,7 +4,7 @@ and prefix tuning, which prepend virtual tokens) trains through TRL's own genera
 import pytest
 import torch
 from _models import reference_greedy, tiny_model
-from conftest import PROMPTS, cpu_args, token_sum_reward
+from trainer_helpers import PROMPTS, cpu_args, token_sum_reward
 
 from trl_infinite.trainer import InfiniteGRPOTrainer
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import tiny_model
-from conftest import PROMPTS, cpu_args, token_sum_reward
 from datasets import Dataset
+from trainer_helpers import PROMPTS, cpu_args, token_sum_reward
 from transformers import TrainerCallback
 
 from trl_infinite.engine import NonFiniteModelError

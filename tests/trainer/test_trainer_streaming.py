@@ -8,8 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import token_sum_reward
 from test_trainer_train import make_trainer
+from trainer_helpers import token_sum_reward
 
 ENGINE_FILE = str(Path(__file__).resolve().parents[2] / "trl_infinite" / "engine" / "engine.py")
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from _models import tiny_model
-from conftest import cpu_args, token_sum_reward
 from datasets import Dataset
+from trainer_helpers import cpu_args, token_sum_reward
 from trl.chat_template_utils import qwen3_chat_template
 
 from trl_infinite.testing.offline_models import byte_tokenizer

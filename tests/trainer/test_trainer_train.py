@@ -3,8 +3,8 @@
 import pytest
 import torch
 from _models import reference_greedy, tiny_model
-from conftest import PROMPTS, cpu_args, token_sum_reward
 from datasets import Dataset
+from trainer_helpers import PROMPTS, cpu_args, token_sum_reward
 
 from trl_infinite.trainer import InfiniteGRPOTrainer
 
