@@ -330,6 +330,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 break
             with self.accelerator.no_sync(model) if self.accelerator.sync_gradients else nullcontext():
                 self.accelerator.backward(loss)
+            if self.host_tensor_cache:  # the next slice's sizes differ: give this slice's freed blocks back
+                host_memory.trim()
             done = loss.detach() if done is None else done + loss.detach()
         tokens, rows = metric_weights(parts, lambda t: self.accelerator.reduce(t.to(self.accelerator.device),
                                                                                 reduction="sum").cpu())
