@@ -164,8 +164,10 @@ class StepProbe(TrainerCallback):
         self._cuda_peak = 0  # CUDA peaks erased by resets during the step
 
     def process_peak_rss_bytes(self) -> int:
-        """The whole process's peak RSS so far (model loading included), across the per-step resets."""
-        return max(self._lifetime_peak, rss_high_water_bytes() or 0, getrusage_peak_rss_bytes())
+        """The whole process's peak RSS so far (model loading included), across the per-step and per-phase resets
+        (each step's peak is the maximum of its phases')."""
+        steps = (r.peak_rss_bytes or 0 for r in self.records)
+        return max(self._lifetime_peak, rss_high_water_bytes() or 0, getrusage_peak_rss_bytes(), *steps)
 
     def reset_cuda_peak(self, reset):
         """`torch.cuda.reset_peak_memory_stats` that keeps the peak it erases (the engine resets it at each

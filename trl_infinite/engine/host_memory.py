@@ -89,8 +89,15 @@ class HostCache final : public c10::Allocator {
   static void free_block(void* p);
 
   void keep(void* p) {
-    std::lock_guard<std::mutex> guard(mutex_);
+    std::unique_lock<std::mutex> guard(mutex_);
     auto found = sizes_.find(p);
+    if (found == sizes_.end()) {  // a small block `raw_allocate` took from the previous allocator
+      guard.unlock();
+      c10::DeleterFnPtr previous = previous_->raw_deleter();
+      TORCH_CHECK(previous != nullptr, "trl_infinite host cache: no raw deleter for a block of the previous allocator");
+      previous(p);
+      return;
+    }
     size_t size = found->second;
     sizes_.erase(found);
     free_[size].push_back(p);
