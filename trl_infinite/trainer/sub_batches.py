@@ -4,8 +4,11 @@ gradients accumulate into exactly the micro batch's gradient, and whose logged m
 TRL runs one forward and one backward per micro batch (`per_device_train_batch_size` rows), so the activations grow
 with G x completion length. Here a micro batch of more than `budget` tokens (the packed tokens of the shared-prefix
 forward: each group's prompt once plus every completion; TRL's padded `rows x width` otherwise) is cut into `k`
-consecutive slices of rows (whole groups where they fit, the rows being in group order), each with about the same
-number of tokens; slice i's loss is TRL's loss of the slice times `weight_i`, so that the weighted sum equals TRL's
+consecutive slices of rows (whole groups where they fit, the rows being in group order): the first of up to
+`budget` tokens, each later one of up to `budget / 2` (about 2 : 1 : ... : 1). The first slice's backward allocates
+the whole gradient layer by layer as it frees the activations; every later slice runs its forward and backward
+beside that gradient, so on SmolLM2 (gradient 0.54 GB, about the activations of 1,600 packed tokens) equal slices
+made a two-slice step peak 0.55 GB above a one-slice step of the same slice size (`benchmarks/RESULTS.md`). Slice i's loss is TRL's loss of the slice times `weight_i`, so that the weighted sum equals TRL's
 loss of the whole micro batch for every loss whose value is a sum over rows:
 
     grpo, sapo, luspo, dr_grpo:  mean over rows            -> weight_i = rows_i / rows
@@ -54,13 +57,14 @@ def packed_tokens(inputs: dict) -> torch.Tensor:
 
 
 def slice_rows(costs: torch.Tensor, parts: int) -> list[slice]:
-    """`parts` consecutive non-empty slices of rows with about equal total cost (`parts` <= rows)."""
+    """`parts` consecutive non-empty slices of rows (`parts` <= rows), the first with about twice the cost of each
+    later one (costs 2 : 1 : ... : 1 of the total, to within a row)."""
     n = costs.numel()
     bounds = [0]
     total = float(costs.sum())
     cum = torch.cumsum(costs.double(), 0)
     for i in range(1, parts):
-        target = total * i / parts
+        target = total * (i + 1) / (parts + 1)
         cut = int(torch.searchsorted(cum, torch.tensor(target, dtype=torch.float64)).item()) + 1
         cut = min(max(cut, bounds[-1] + 1), n - (parts - i))  # every slice keeps at least one row
         bounds.append(cut)
@@ -69,7 +73,11 @@ def slice_rows(costs: torch.Tensor, parts: int) -> list[slice]:
 
 
 def num_parts(total_tokens: int, budget: int, rows: int) -> int:
-    return max(1, min(rows, math.ceil(total_tokens / budget)))
+    """Slices for `total_tokens` (at most `rows`): one if they fit in `budget`, else the first at most `budget` and
+    the later ones at most `budget / 2` (the 2 : 1 : ... : 1 split of `slice_rows`)."""
+    if total_tokens <= budget:
+        return 1
+    return max(1, min(rows, 1 + math.ceil((total_tokens - budget) / max(1, budget // 2))))
 
 
 def loss_weights(loss_type: str, parts: list[dict]) -> list[float]:
