@@ -154,11 +154,16 @@ def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
     return draft.eval()
 
 
-def engine_config(args, mode: str, b: int, draft) -> EngineConfig:
+def engine_config(args, mode: str, b: int, draft, forced: bool = False) -> EngineConfig:
+    """The engine of one mode. `forced`: speculation at every step whatever the timings (no adaptive controller;
+    decoupled execution with the full window instead of the TGS plan), for `decoupled_lossless.py`."""
     spec = {} if mode == "none" else dict(
         speculative_method=args.drafter, speculative_num_tokens=args.num_tokens,
         speculative_draft_model=draft if args.drafter == "draft_model" else None,
         speculative_decoupled=mode == "decoupled")
+    if forced and mode != "none":
+        spec.update(speculative_adaptive=False,
+                    speculative_draft_window=args.num_tokens if mode == "decoupled" else None)
     return EngineConfig(kv_cache_tokens=args.kv_tokens, block_size=16, sampling_mode="full_group",
                         max_active_sequences=b, **spec)
 

@@ -21,21 +21,12 @@ import time
 
 import torch
 from common import Table, pick_device, run_header, write_results
-from decoupled import TIE_TOLERANCE, differences, gsm8k_train_prompts, truncated
+from decoupled import TIE_TOLERANCE, differences, engine_config, gsm8k_train_prompts, truncated
 
-from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine import RolloutEngine, SamplingParams
 from trl_infinite.testing.offline_models import load_smollm2
 
 FORCED = ("coupled", "decoupled")
-
-
-def forced_config(args, mode: str, b: int, draft) -> EngineConfig:
-    spec = {} if mode == "none" else dict(
-        speculative_method=args.drafter, speculative_num_tokens=args.num_tokens, speculative_adaptive=False,
-        speculative_draft_model=draft, speculative_decoupled=mode == "decoupled",
-        speculative_draft_window=args.num_tokens if mode == "decoupled" else None)
-    return EngineConfig(kv_cache_tokens=args.kv_tokens, block_size=16, sampling_mode="full_group",
-                        max_active_sequences=b, **spec)
 
 
 def main() -> None:
@@ -65,10 +56,10 @@ def main() -> None:
     for seed in args.seeds:
         sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
                             eos_token_ids=[tok.eos_token_id])
-        ref = RolloutEngine(model, forced_config(args, "none", b, None)).generate(prompts, g, sp)
+        ref = RolloutEngine(model, engine_config(args, "none", b, None)).generate(prompts, g, sp)
         for mode in FORCED:
             t0 = time.perf_counter()
-            out = RolloutEngine(model, forced_config(args, mode, b, draft)).generate(prompts, g, sp)
+            out = RolloutEngine(model, engine_config(args, mode, b, draft, forced=True)).generate(prompts, g, sp)
             wall = time.perf_counter() - t0
             diffs = differences(model, prompts, g, sp, mode, out, ref)
             for d in diffs:
