@@ -22,8 +22,8 @@ Coupled (draft, then verify; w = 0 is plain decoding):
     TGS_c(w, b) = b (1 + E_w) / (Dr(b, w) [w > 0] + V(b, b w))
 
 Alg. 1 on one device: `w* = argmax_{1 <= w <= w_max} TGS_d(w, b)`; decoupled runs only if it beats the best coupled
-window (`plan`). Alg. 2: each request below the mean acceptance gets the better of `argmax_w TGS_c(w, 1)` and
-`argmax_w TGS_d(w, 1)` at its own acceptance (`reconfigure`).
+window (`plan`). Alg. 2: each request below the mean acceptance gets the better of `argmax_w TGS_c(w, b)` and
+`argmax_w TGS_d(w, b)` at its own acceptance (`reconfigure`; the paper evaluates it at b = 1, see there).
 """
 
 from __future__ import annotations
