@@ -42,7 +42,7 @@ SOURCE = r"""
 #include <vector>
 
 namespace {
-constexpr size_t kMinBytes = 1 << 20;
+constexpr size_t kMinBytes = MIN_BYTES;
 
 size_t size_class(size_t n) {  // n rounded up to an eighth of its power of two (page multiple)
   size_t top = 63 - __builtin_clzll(n);
@@ -57,26 +57,13 @@ class HostCache final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     if (n < kMinBytes) return previous_->allocate(n);
     size_t size = size_class(n);
-    void* p = nullptr;
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      auto it = free_.find(size);
-      if (it != free_.end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
-        cached_ -= size;
-        ++hits_;
-      }
-    }
-    if (p == nullptr) {
+    void* p = take(size);
+    if (p == nullptr) {  // mapped outside the lock
       p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       TORCH_CHECK(p != MAP_FAILED, "trl_infinite host cache: mapping ", size, " bytes failed");
       std::lock_guard<std::mutex> guard(mutex_);
       mapped_ += size;
       ++misses_;
-    }
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
       sizes_[p] = size;
     }
     return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};  // context == data: `raw_allocate` works too
@@ -139,6 +126,18 @@ class HostCache final : public c10::Allocator {
   c10::Allocator* previous_;
 
  private:
+  void* take(size_t size) {  // a kept block of this class, now in use; nullptr if none
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = free_.find(size);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    cached_ -= size;
+    ++hits_;
+    sizes_[p] = size;
+    return p;
+  }
+
   void unmap(void* p, size_t size) {  // caller holds the mutex
     munmap(p, size);
     mapped_ -= size;
@@ -207,7 +206,8 @@ def _extension():
 
     logger.info("Loading the host tensor cache (built once per machine, about half a minute).")
     try:
-        return load_inline("trl_infinite_host_cache", cpp_sources=[SOURCE], extra_cflags=["-O2"])
+        return load_inline("trl_infinite_host_cache", cpp_sources=[SOURCE],
+                           extra_cflags=["-O2", f"-DMIN_BYTES={MIN_BYTES}"])
     except Exception as err:  # compiler, headers or ninja missing, ...
         logger.warning("The host tensor cache could not be built (%s); CPU tensors keep the default allocator.", err)
         return None
@@ -225,25 +225,30 @@ def install(limit_bytes: int) -> bool:
     return True
 
 
+def _built():
+    """The extension if an earlier call built it (None otherwise: these calls never build it)."""
+    return _extension() if _extension.cache_info().currsize else None
+
+
 def uninstall() -> None:
     """Back to the previous CPU allocator for new tensors (blocks still in use return to the cache when freed)."""
-    if _extension.cache_info().currsize and _extension() is not None:
-        _extension().uninstall()
+    if (ext := _built()) is not None:
+        ext.uninstall()
 
 
 def installed() -> bool:
-    return bool(_extension.cache_info().currsize and _extension() is not None and _extension().installed())
+    return (ext := _built()) is not None and ext.installed()
 
 
 def stats() -> HostCacheStats:
-    ext = _extension() if _extension.cache_info().currsize else None
+    ext = _built()
     return HostCacheStats(*(ext.stats() if ext is not None else (0, 0, 0, 0, 0)))
 
 
 def trim() -> int:
     """Give the freed memory back to the OS: every block the cache keeps, and glibc's free heap pages. Returns the
     cache's bytes released."""
-    ext = _extension() if _extension.cache_info().currsize else None
+    ext = _built()
     released = ext.trim() if ext is not None else 0
     fn = _malloc_trim()
     if fn is not None:

@@ -96,9 +96,10 @@ class InfiniteGRPOConfig(GRPOConfig):
             "help": "Training on CPU: CPU tensors of 1 MiB or more come from a caching allocator (each its own "
             "mapping, a freed one reused by the next tensor of its size class) that keeps at most this many MiB of "
             "freed blocks, giving the oldest back to the OS beyond it, and all of them after each rollout and each "
-            "backward slice (`engine/host_memory.py`). With glibc's `malloc` alone the small allocations made between large ones "
-            "fragment the heap, and the step's resident memory grows with the tokens per step far beyond its live "
-            "tensors. Process-wide once installed; values are unchanged. None: off (PyTorch's default allocator)."
+            "backward slice (`engine/host_memory.py`). With glibc's `malloc` alone the small allocations made "
+            "between large ones fragment the heap, and the step's resident memory grows with the tokens per step far "
+            "beyond its live tensors. Process-wide once installed; values are unchanged. None: off (PyTorch's "
+            "default allocator)."
         },
     )
 

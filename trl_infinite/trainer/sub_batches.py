@@ -8,8 +8,9 @@ consecutive slices of rows (whole groups where they fit, the rows being in group
 `budget` tokens, each later one of up to `budget / 2` (about 2 : 1 : ... : 1). The first slice's backward allocates
 the whole gradient layer by layer as it frees the activations; every later slice runs its forward and backward
 beside that gradient, so on SmolLM2 (gradient 0.54 GB, about the activations of 1,600 packed tokens) equal slices
-made a two-slice step peak 0.55 GB above a one-slice step of the same slice size (`benchmarks/RESULTS.md`). Slice i's loss is TRL's loss of the slice times `weight_i`, so that the weighted sum equals TRL's
-loss of the whole micro batch for every loss whose value is a sum over rows:
+made a two-slice step peak 0.55 GB above a one-slice step of the same slice size (`benchmarks/RESULTS.md`). Slice
+i's loss is TRL's loss of the slice times `weight_i`, so that the weighted sum equals TRL's loss of the whole micro
+batch for every loss whose value is a sum over rows:
 
     grpo, sapo, luspo, dr_grpo:  mean over rows            -> weight_i = rows_i / rows
     bnpo:                         sum over tokens / tokens  -> weight_i = tokens_i / tokens  (completion mask)
