@@ -136,6 +136,47 @@ def test_a_coupled_plan_runs_coupled_speculation_without_a_drafter_thread(model,
     assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
 
 
+@register_drafter("test_oracle_counted")
+class _CountedOracle(_AheadOracle):
+    """`_AheadOracle` that counts its updates and checks that it always drafts from the whole context."""
+
+    updates = 0
+
+    def update(self, seq, tokens):
+        type(self).updates += 1
+        super().update(seq, tokens)
+
+    def propose(self, seqs, ks):
+        for s in seqs:
+            assert self.ctx[s.seq_id] == s.group.prompt_ids + s.output_ids, "drafting from a stale context"
+        return super().propose(seqs, ks)
+
+
+def test_a_plan_of_no_speculation_defers_the_drafters_updates(model, monkeypatch):
+    """While the plan is "no speculation" a step is the plain one: no draft slots reserved and no per-token update
+    of the drafter; when a re-plan drafts again, the drafter first gets everything it missed (it never drafts from a
+    stale context), and the tokens stay plain greedy decoding's."""
+    import trl_infinite.engine.spec_decode.decoupled as decoupled
+
+    plans = iter([Plan(COUPLED, 0, 1.0), Plan(COUPLED, 3, 1.0)] * 100)  # none, coupled w=3, none, ...
+    monkeypatch.setattr(decoupled, "plan", lambda times, p, b, w_max: next(plans))
+    monkeypatch.setattr(decoupled, "reconfigure", lambda *args: {})
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    engine = _engine(model, "test_oracle_counted", speculative_decoupled=True, speculative_reconfigure_every=4)
+    engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
+    steps = []  # (draft slots reserved, rows decoded) per step
+    _CountedOracle.updates = 0
+    out = engine.generate(PROMPTS, 2, sp,
+                          on_decode_step=lambda batch, seconds: steps.append((batch.lookahead, len(batch.decode))))
+    s = out.stats
+    assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
+    assert s.extra["spec_plans"] >= 3 and s.draft_tokens > 0  # speculation resumed after an idle stretch
+    lookaheads = [k for k, _ in steps]
+    assert 0 in lookaheads and max(lookaheads) == 5  # speculative_num_tokens (default)
+    # without deferral: one update per row and step; here the idle steps' updates are merged into one per row
+    assert 0 < _CountedOracle.updates < sum(rows for _, rows in steps) - sum(1 for k in lookaheads if k == 0)
+
+
 # ---------------------------------------------------------------------------------------------------- the plan
 def _brute_tgs(times: StepTimes, p: float, w: int, b: int, decoupled: bool) -> float:
     """The TGS formulas written out again (plan.py's module docstring), from first principles."""

@@ -13,7 +13,9 @@ Per decode step, for each row in decoupled mode with window w:
 Rows in coupled mode (the plan's fallback, or a request Alg. 2 moved there) are drafted before the forward, on the
 caller's thread, as in coupled speculation; every row is verified in the one verification forward of the step.
 When no row is in decoupled mode the step is exactly coupled speculation (the coupled controller's per-sample
-lengths, within Alg. 2's windows) or, with a plan of no speculation, plain decoding: no drafter thread, no drafting.
+lengths, within Alg. 2's windows) or, with a plan of no speculation, plain decoding: no drafter thread, no drafting,
+no draft slots reserved, and the drafter's per-token updates deferred until a re-plan drafts again (`_catch_up`:
+one update per sample with everything it missed).
 
 The drafter thread is one worker per call (on CUDA it drafts on its own stream); PyTorch releases the GIL inside
 its kernels, so on CPU a model drafter computes while the verifier's kernels run. The drafter's state is only ever
@@ -104,6 +106,18 @@ class DecoupledStep(SpeculativeStep):
         acceptance = {s.seq_id: self.tracker.alpha(s.seq_id) for s in seqs if s.seq_id in self.tracker.counts}
         self.per_row = reconfigure(times, self.plan, acceptance, self.w_max, len(seqs))
 
+    def _idle(self) -> bool:
+        """The plan is "no speculation" for every row (Alg. 1 chose w = 0 and Alg. 2 gave no row a window)."""
+        return (self.plan is not None and self.plan.window == 0
+                and all(p.window == 0 for p in self.per_row.values()))
+
+    def lookahead(self, num_running: int) -> int:
+        """No draft slots while idle (a re-plan that resumes speculation drafts from the step after it)."""
+        return 0 if self._idle() else self.w_max
+
+    def _updates_deferred(self) -> bool:
+        return self._idle()
+
     # -- drafting
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
         self.steps += 1
@@ -162,6 +176,7 @@ class DecoupledStep(SpeculativeStep):
     def _launch_ahead(self, seqs: list[Sequence], drafts: list[list[int]]):
         if not self.pending:
             return None
+        self._catch_up(seqs)  # on this thread, before the drafter thread reads the drafter's state
         rows = [(seqs[i], list(drafts[i])) for i, _ in self.pending]
         ks = [w + 1 for _, w in self.pending]
         if self.worker is None:

@@ -99,18 +99,32 @@ class SpeculativeStep:
         return cut(toks), cut(lps), None if raws is None else cut(raws)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Tell the drafter the tokens the scheduler kept; forget finished samples."""
+        """Tell the drafter the tokens the scheduler kept (at once for a finished sample; otherwise deferred while
+        `_updates_deferred()`, until the next draft: `_catch_up`); forget finished samples."""
+        defer = self._updates_deferred()
         for s in batch.decode:
             if s.seq_id not in self.known:
                 continue
-            new = s.output_ids[self.known[s.seq_id]:]
-            self.known[s.seq_id] = s.num_generated
-            if new:
-                self.drafter.update(s, new)
-            if s.status is SeqStatus.FINISHED:
+            finished = s.status is SeqStatus.FINISHED
+            if finished or not defer:
+                self._catch_up([s])
+            if finished:
                 self.drafter.stop(s)
                 self.tracker.forget(s.seq_id)
                 del self.known[s.seq_id]
+
+    def _updates_deferred(self) -> bool:
+        """Whether no row can draft before the next re-plan, so the drafter's per-token updates can wait (decoupled
+        speculation with a plan of no speculation); coupled: never (its controller may draft at any step)."""
+        return False
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Give the drafter each sample's tokens it has not seen yet (one update per sample)."""
+        for s in seqs:
+            seen = self.known.get(s.seq_id)
+            if seen is not None and seen < s.num_generated:
+                self.known[s.seq_id] = s.num_generated
+                self.drafter.update(s, s.output_ids[seen:])
 
     # -- drafting
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
@@ -123,6 +137,7 @@ class SpeculativeStep:
         """The drafter's proposals cut to `ks`, timed for the drafting cost model."""
         if not any(ks):
             return [EMPTY] * len(seqs)
+        self._catch_up(seqs)
         t0 = time.perf_counter()
         proposals = self.drafter.propose(seqs, ks)
         self.spec.draft_times.observe(sum(1 for k in ks if k), max(ks), sum(ks), time.perf_counter() - t0)
