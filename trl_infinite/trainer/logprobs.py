@@ -3,7 +3,8 @@
 The projection and the selective log-softmax are TRL's own `ChunkedLogProbFunction` (its fused LM head: the
 `[tokens, vocab]` product in tiles, folded into online log-sum-exp statistics, recomputed tile by tile in the
 backward), applied to the scored positions only (the completion tokens; TRL scores every position on devices without
-Triton) and in tiles bounded by `TILE_BYTES`, so neither the logits nor a full-width tile exists. The logit
+Triton) and, off CUDA, in tiles of at most `TILE_BYTES` (vocabulary columns narrowed), so neither the logits nor a
+full-width tile exists. The logit
 transform is the one TRL's `add_fused_lm_head` applies (`HeadSpec.from_model`):
 
     z = (x @ W^T + b) * logit_scale;  z = softcap * tanh(z / softcap) if softcap;  z = z / temperature
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from trl.kernels import ChunkedLogProbFunction
+from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 # most bytes of one [tokens, vocab columns] tile of the projection (CPU; on CUDA TRL's own tile sizes)
@@ -49,12 +51,14 @@ class HeadSpec:
                    logit_scale=1.0 if scale is None else float(scale), fp32=bool(cast_lm_head_to_fp32))
 
 
-def _tiles(num_tokens: int, vocab: int, itemsize: int, device: torch.device) -> tuple[int, int]:
-    """(tokens, vocab columns) per tile: TRL's on CUDA, at most `TILE_BYTES` elsewhere."""
+def _columns(num_tokens: int, vocab: int, itemsize: int, device: torch.device) -> int:
+    """Vocabulary columns per tile: TRL's on CUDA; elsewhere narrowed so that TRL's `[min(tokens,
+    TOKEN_CHUNK_SIZE), columns]` tile stays within `TILE_BYTES`. Every position goes through one call, so its
+    backward allocates one `[vocab, hidden]` float32 weight gradient (one per call), not one per token tile."""
     if device.type == "cuda":
-        return num_tokens, TRL_VOCAB_CHUNK
-    columns = min(vocab, TRL_VOCAB_CHUNK)
-    return max(1, min(num_tokens, TILE_BYTES // (columns * itemsize))), columns
+        return TRL_VOCAB_CHUNK
+    rows = max(1, min(num_tokens, TOKEN_CHUNK_SIZE))
+    return max(1, min(vocab, TRL_VOCAB_CHUNK, TILE_BYTES // (rows * itemsize)))
 
 
 def selected_logprobs(
@@ -80,15 +84,8 @@ def selected_logprobs(
         hidden.dtype
     if spec.fp32:
         compute = torch.float32
-    step, columns = _tiles(hidden.shape[0], weight.shape[0], torch.finfo(compute).bits // 8, hidden.device)
-    logps, ents = [], []
+    columns = _columns(hidden.shape[0], weight.shape[0], torch.finfo(compute).bits // 8, hidden.device)
     with autocast, maybe_gather_lm_head_ctx(weight, bias):
-        for start in range(0, hidden.shape[0], step):
-            part = slice(start, start + step)
-            lp, ent, *_ = ChunkedLogProbFunction.apply(
-                hidden[part], weight, bias, labels[part], spec.temperature, columns, spec.softcap, spec.logit_scale,
-                outputs,
-            )
-            logps.append(lp)
-            ents.append(ent)
-    return torch.cat(logps), (torch.cat(ents) if entropy else None)
+        logps, ents, *_ = ChunkedLogProbFunction.apply(
+            hidden, weight, bias, labels, spec.temperature, columns, spec.softcap, spec.logit_scale, outputs)
+    return logps, (ents if entropy else None)
