@@ -21,8 +21,10 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-# most bytes of one [tokens, vocab columns] tile of the projection (CPU; on CUDA TRL's own tile sizes)
-TILE_BYTES = 64 * 2**20
+# most bytes of one [tokens, vocab columns] tile of the projection (CPU; on CUDA TRL's own tile sizes). TRL's CPU fold
+# of a tile (torch ops, no Triton) makes about 7 temporaries of the tile's size in the backward, which runs first
+# in a backward slice, beside the checkpointed activations (and, after the first slice, the whole gradient).
+TILE_BYTES = 16 * 2**20
 TRL_VOCAB_CHUNK = 32768  # TRL's vocabulary width per tile (`_CHUNKED_LOGPROB_CHUNK_SIZE`)
 
 
