@@ -39,6 +39,7 @@ class SpeculativeStep:
         self.tracker = AcceptanceTracker()
         self.verified_rows = 0
         self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen
+        self.behind: set[int] = set()  # seq_ids whose updates were deferred (`_updates_deferred`)
         # (group, sample) -> [drafts accepted, drafts verified, verifications that rejected one]
         self.sample_counts: dict[tuple[int, int], list[int]] = {}
 
@@ -107,7 +108,9 @@ class SpeculativeStep:
                 continue
             finished = s.status is SeqStatus.FINISHED
             if finished or not defer:
-                self._catch_up([s])
+                self._update(s)
+            else:
+                self.behind.add(s.seq_id)
             if finished:
                 self.drafter.stop(s)
                 self.tracker.forget(s.seq_id)
@@ -118,13 +121,20 @@ class SpeculativeStep:
         speculation with a plan of no speculation); coupled: never (its controller may draft at any step)."""
         return False
 
+    def _update(self, s: Sequence) -> None:
+        """Give the drafter the tokens of `s` it has not seen yet (one update)."""
+        seen = self.known[s.seq_id]
+        self.behind.discard(s.seq_id)
+        if seen < s.num_generated:
+            self.known[s.seq_id] = s.num_generated
+            self.drafter.update(s, s.output_ids[seen:])
+
     def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Give the drafter each sample's tokens it has not seen yet (one update per sample)."""
-        for s in seqs:
-            seen = self.known.get(s.seq_id)
-            if seen is not None and seen < s.num_generated:
-                self.known[s.seq_id] = s.num_generated
-                self.drafter.update(s, s.output_ids[seen:])
+        """Before drafting for `seqs`: the updates deferred for any of them (nothing to do unless some were)."""
+        if self.behind:
+            for s in seqs:
+                if s.seq_id in self.behind:
+                    self._update(s)
 
     # -- drafting
     def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
