@@ -3,9 +3,9 @@
 The projection and the selective log-softmax are TRL's own `ChunkedLogProbFunction` (its fused LM head: the
 `[tokens, vocab]` product in tiles, folded into online log-sum-exp statistics, recomputed tile by tile in the
 backward), applied to the scored positions only (the completion tokens; TRL scores every position on devices without
-Triton) and, off CUDA, in tiles of at most `TILE_BYTES` (vocabulary columns narrowed), so neither the logits nor a
-full-width tile exists. The logit
-transform is the one TRL's `add_fused_lm_head` applies (`HeadSpec.from_model`):
+Triton), all of them in one call (one weight gradient in its backward) and, off CUDA, in tiles of at most
+`TILE_BYTES` (vocabulary columns narrowed), so neither the logits nor a full-width tile exists. The logit transform
+is the one TRL's `add_fused_lm_head` applies (`HeadSpec.from_model`):
 
     z = (x @ W^T + b) * logit_scale;  z = softcap * tanh(z / softcap) if softcap;  z = z / temperature
     log p(label) = z[label] - logsumexp(z),  entropy = logsumexp(z) - sum softmax(z) * z
