@@ -5,8 +5,8 @@ each measured row.
 Per batch size b (b / G prompts, G samples each, all b samples decoding together: `sampling_mode="full_group"`),
 three fresh engines roll out the same prompts with the same seed: no speculation, coupled speculation (today's
 adaptive controller) and decoupled speculation (the TGS plan, Alg. 1 + 2; the drafter drafts ahead on its own
-thread). Each engine first makes a short warm-up call (it also profiles the step-time models the plan needs), then
-the measured call. Columns: wall seconds and process CPU seconds (both threads) of the call, decode forwards (every
+thread). Each engine first makes a warm-up call with another seed (`--warmup-tokens`; it profiles the step-time
+models and the acceptance the plan needs, as a training run's earlier calls would), then the measured call. Columns: wall seconds and process CPU seconds (both threads) of the call, decode forwards (every
 decode/verify forward), verify forwards (forwards that verified at least one draft), the mean acceptance length,
 the plan the decoupled engine chose, the measured speed (generated tokens / wall second), the simulator's predicted
 speed for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
@@ -175,6 +175,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--warmup-tokens", type=int, default=64,
+                    help="max_new_tokens of each engine's warm-up call (not measured; it profiles the step-time models "
+                         "and the acceptance, as the earlier calls of a training run would)")
     ap.add_argument("--num-tokens", type=int, default=5, help="speculative_num_tokens (largest window)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -200,7 +203,7 @@ def main() -> None:
                    "accept_len", "plan", "tok_s", "sim_tok_s", "speedup_vs_none"])
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                         eos_token_ids=[tok.eos_token_id])
-    warm = SamplingParams(max_new_tokens=16, temperature=args.temperature, seed=args.seed + 1,
+    warm = SamplingParams(max_new_tokens=args.warmup_tokens, temperature=args.temperature, seed=args.seed + 1,
                           eos_token_ids=[tok.eos_token_id])
     for b in args.batches:
         g = args.group_size

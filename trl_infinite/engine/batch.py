@@ -42,6 +42,8 @@ class ScheduledBatch:
     # Their blocks may all have changed since they last decoded (new own blocks, or their prompt evicted and
     # prefilled again into other blocks in this very step), so whatever a decoder kept about them is stale
     readmitted: list[Sequence] = field(default_factory=list)
+    # nothing waits for admission after this step's: the call ends when the last of the running samples does
+    draining: bool = False
 
     @property
     def rebuilt(self) -> list[Sequence]:

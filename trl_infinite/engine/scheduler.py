@@ -105,6 +105,7 @@ class Scheduler:
         if not self.running and self.waiting:
             raise RuntimeError("no sample could be scheduled although the pool was checked up front (bug).")
         batch.decode = [s for s in self.running if s.output_ids]
+        batch.draining = not self.waiting
         batch.swap_out, self._swap_out = self._swap_out, []
         self.stats.scheduler_steps += 1
         self.stats.active_sequence_steps += len(self.running)

@@ -8,7 +8,9 @@ succeeds too (one more draw); the draws are keyed by (seed, prompt, sample, posi
 
 Per decode step the executor chooses each row's mode and window with the engine's own plan (`spec_decode/plan.py`:
 Alg. 1 at the call's first decode step and again every `reconfigure_every` steps with the current batch, each time
-followed by Alg. 2; the `coupled` mode uses the best coupled window at the step's batch), runs the decoupled state machine of `spec_decode/decoupled.py` and charges the step
+followed by Alg. 2, or the drain plan once nothing is left to admit, as `spec_decode/decoupled.py` does; the
+`coupled` mode uses the best coupled window at the step's batch), runs the decoupled state machine of
+`spec_decode/decoupled.py` and charges the step
 
     coupled:    Dr(b_c, k) + V(b, D)                    decoupled:  Dr(b_c, k) + max(Dr(b_d, w + 1), V(b, D))
 
@@ -24,7 +26,17 @@ from dataclasses import dataclass
 
 from ..engine.batch import ScheduledBatch, StepOutput
 from ..engine.outputs import RolloutStats
-from ..engine.spec_decode.plan import COUPLED, DECOUPLED, Plan, StepTimes, best_coupled, plan, reconfigure
+from ..engine.spec_decode.plan import (
+    COUPLED,
+    DECOUPLED,
+    Plan,
+    StepTimes,
+    best_coupled,
+    drain_rows,
+    plan,
+    reconfigure,
+    replan_due,
+)
 from .replay import SimConfig, SimResult, TraceExecutor, simulate
 from .traces import TraceRecord
 
@@ -69,6 +81,7 @@ class SpeculativeTraceExecutor(TraceExecutor):
         self.chain: dict[int, bool] = {}  # seq_id -> a valid window drafted ahead
         self.per_row: dict[int, Plan] = {}
         self.plan: Plan | None = None
+        self.draining = False
         self.steps = 0
         self.seconds = 0.0
 
@@ -91,7 +104,8 @@ class SpeculativeTraceExecutor(TraceExecutor):
             a += 1
         return a
 
-    def _row_plans(self, decode) -> list[Plan]:
+    def _row_plans(self, batch: ScheduledBatch) -> list[Plan]:
+        decode = batch.decode
         r, b = self.replay, len(decode)
         mean_p = sum(self._p(s) for s in decode) / b
         if r.mode == "none":
@@ -100,7 +114,15 @@ class SpeculativeTraceExecutor(TraceExecutor):
             return [best_coupled(r.times, mean_p, b, r.num_tokens)] * b
         if r.draft_window is not None:
             return [Plan(DECOUPLED, r.draft_window, 0.0)] * b
-        if self.plan is None or (r.reconfigure_every and self.steps % r.reconfigure_every == 0):
+        unplanned = batch.draining and self.draining and any(s.seq_id not in self.per_row for s in decode)
+        drafting = any(p.window for p in self.per_row.values()) or (self.plan is not None and self.plan.window > 0)
+        if self.plan is None or replan_due(self.steps, r.reconfigure_every, batch.draining, self.draining, drafting,
+                                           unplanned):
+            self.draining = batch.draining
+            if self.draining:
+                rows = {s.seq_id: (s.length_limit - s.num_generated, self._p(s)) for s in decode}
+                self.plan, self.per_row = drain_rows(r.times, rows, r.num_tokens)
+                return [self.per_row[s.seq_id] for s in decode]
             self.plan = plan(r.times, mean_p, b, r.num_tokens)
             if r.reconfigure_every:
                 self.per_row = reconfigure(r.times, self.plan, {s.seq_id: self._p(s) for s in decode}, r.num_tokens,
@@ -113,7 +135,7 @@ class SpeculativeTraceExecutor(TraceExecutor):
             return out
         self.steps += 1
         times = self.replay.times
-        plans = self._row_plans(batch.decode)
+        plans = self._row_plans(batch)
         tokens, drafts, sync_rows, sync_k, ahead_rows, ahead_w = [], 0, 0, 0, 0, 0
         for s, row in zip(batch.decode, plans):
             cap = max(0, min(self.replay.num_tokens, s.length_limit - s.num_generated - 1))

@@ -12,15 +12,7 @@ from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.spec_decode import register_drafter
 from trl_infinite.engine.spec_decode.plan import (
     COUPLED,
-    DECOUPLED,
     Plan,
-    StepTimes,
-    chain_share,
-    emitted,
-    plan,
-    reconfigure,
-    tgs_coupled,
-    tgs_decoupled,
 )
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
@@ -50,6 +42,20 @@ def _engine(model, method=None, draft=None, **kw):
     cfg = EngineConfig(kv_cache_tokens=16384, block_size=8, speculative_method=method, speculative_draft_model=draft,
                        **kw)
     return RolloutEngine(model, cfg)
+
+
+def _fixed_plans(monkeypatch, plans) -> None:
+    """Every plan of the decoupled step (Alg. 1, and the drain plan for every row) is the next of `plans`; no
+    Alg. 2."""
+    import trl_infinite.engine.spec_decode.decoupled as decoupled
+
+    def drain_rows(times, rows, w_max):
+        p = next(plans)
+        return p, {k: Plan(p.mode, p.window, p.tgs) for k in rows}
+
+    monkeypatch.setattr(decoupled, "plan", lambda times, p, b, w_max: next(plans))
+    monkeypatch.setattr(decoupled, "drain_rows", drain_rows)
+    monkeypatch.setattr(decoupled, "reconfigure", lambda *args: {})
 
 
 def _drafter_threads() -> list[threading.Thread]:
@@ -123,7 +129,7 @@ def test_a_coupled_plan_runs_coupled_speculation_without_a_drafter_thread(model,
     def no_thread(*args, **kwargs):
         raise AssertionError("a drafter thread was started under a coupled plan")
 
-    monkeypatch.setattr(decoupled, "plan", lambda times, p, b, w_max: Plan(COUPLED, window, 1.0))
+    _fixed_plans(monkeypatch, iter(lambda: Plan(COUPLED, window, 1.0), None))
     monkeypatch.setattr(decoupled, "ThreadPoolExecutor", no_thread)
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     engine = _engine(model, "suffix", speculative_decoupled=True, speculative_reconfigure_every=2)
@@ -156,11 +162,7 @@ def test_a_plan_of_no_speculation_defers_the_drafters_updates(model, monkeypatch
     """While the plan is "no speculation" a step is the plain one: no draft slots reserved and no per-token update
     of the drafter; when a re-plan drafts again, the drafter first gets everything it missed (it never drafts from a
     stale context), and the tokens stay plain greedy decoding's."""
-    import trl_infinite.engine.spec_decode.decoupled as decoupled
-
-    plans = iter([Plan(COUPLED, 0, 1.0), Plan(COUPLED, 3, 1.0)] * 100)  # none, coupled w=3, none, ...
-    monkeypatch.setattr(decoupled, "plan", lambda times, p, b, w_max: next(plans))
-    monkeypatch.setattr(decoupled, "reconfigure", lambda *args: {})
+    _fixed_plans(monkeypatch, iter([Plan(COUPLED, 0, 1.0), Plan(COUPLED, 3, 1.0)] * 100))  # none, w=3, none, ...
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     engine = _engine(model, "test_oracle_counted", speculative_decoupled=True, speculative_reconfigure_every=4)
     engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
@@ -175,69 +177,6 @@ def test_a_plan_of_no_speculation_defers_the_drafters_updates(model, monkeypatch
     assert 0 in lookaheads and max(lookaheads) == 5  # speculative_num_tokens (default)
     # without deferral: one update per row and step; here the idle steps' updates are merged into one per row
     assert 0 < _CountedOracle.updates < sum(rows for _, rows in steps) - sum(1 for k in lookaheads if k == 0)
-
-
-# ---------------------------------------------------------------------------------------------------- the plan
-def _brute_tgs(times: StepTimes, p: float, w: int, b: int, decoupled: bool) -> float:
-    """The TGS formulas written out again (plan.py's module docstring), from first principles."""
-    e = sum(p**a for a in range(w + 1))
-    v0, v1, v2 = times.verify
-    d0, d1, d2 = times.draft
-    draft = lambda n: (d0 + d1 * n + d2 * b * n) if n else 0.0  # noqa: E731
-    if not decoupled:
-        return b * e / (draft(w) + v0 + v1 * b + v2 * b * w)
-    pi = p / (p + 1 - p ** (w + 1))
-    return b * (pi * e + 1 - pi) / max(draft(w + 1), v0 + v1 * b + v2 * pi * b * w)
-
-
-def test_tgs_formulas_and_window_choice():
-    """Expensive drafting (a draft model), verification that grows with the batch: the plan picks the window with
-    the highest decoupled TGS, and decoupled beats every coupled window there."""
-    times = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
-    p, b, w_max = 0.8, 32, 8
-    assert emitted(p, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
-    assert chain_share(1.0, 4) == pytest.approx(1.0) and chain_share(0.0, 4) == 0.0
-    for w in range(1, w_max + 1):
-        assert tgs_decoupled(times, p, w, b) == pytest.approx(_brute_tgs(times, p, w, b, True))
-        assert tgs_coupled(times, p, w, b) == pytest.approx(_brute_tgs(times, p, w, b, False))
-    best_w = max(range(1, w_max + 1), key=lambda w: _brute_tgs(times, p, w, b, True))
-    best_c = max(_brute_tgs(times, p, w, b, False) for w in range(w_max + 1))
-    got = plan(times, p, b, w_max)
-    assert got.mode == DECOUPLED and got.window == best_w and got.tgs > best_c
-    assert 1 < best_w < w_max  # an interior optimum: not just the largest or smallest window
-
-
-def test_plan_falls_back_to_coupled_when_drafting_is_cheap_or_acceptance_low():
-    """Nearly free drafting (a suffix tree): nothing to overlap, the waste of decoupled execution loses -> coupled
-    with the best coupled window; acceptance 0.05: coupled with window 0 (plain decoding)."""
-    cheap = StepTimes(verify=(0.02, 0.001, 0.0001), draft=(1e-5, 1e-5, 1e-6))
-    got = plan(cheap, 0.7, 8, 6)
-    best_c = max(range(7), key=lambda w: _brute_tgs(cheap, 0.7, w, 8, False))
-    assert got == Plan(COUPLED, best_c, pytest.approx(_brute_tgs(cheap, 0.7, best_c, 8, False)))
-    costly = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
-    assert plan(costly, 0.05, 32, 6).window == 0
-
-
-def test_reconfigure_moves_requests_below_the_mean():
-    """Alg. 2: requests at or above the mean acceptance keep the batch plan; one far below gets the better of its
-    own coupled and decoupled windows at the current batch (not at b = 1, the paper's choice: see `reconfigure`); a
-    batch planned as plain decoding keeps every request at plain decoding."""
-    times = StepTimes(verify=(0.02, 0.002, 0.0005), draft=(0.001, 0.004, 0.0002))
-    base = plan(times, 0.8, 32, 6)
-    out = reconfigure(times, base, {1: 0.9, 2: 0.85, 3: 0.1}, 6, 32)
-    assert out[1] == base and out[2] == base
-    dec = max(range(1, 7), key=lambda w: _brute_tgs(times, 0.1, w, 32, True))
-    cpl = max(range(7), key=lambda w: _brute_tgs(times, 0.1, w, 32, False))
-    tgs_d, tgs_c = _brute_tgs(times, 0.1, dec, 32, True), _brute_tgs(times, 0.1, cpl, 32, False)
-    want = (DECOUPLED, dec) if tgs_d > tgs_c else (COUPLED, cpl)
-    assert (out[3].mode, out[3].window) == want and out[3].window < base.window
-    # compute-bound at 64 rows (each verified position costs 2 ms): plain decoding is planned, and a request below
-    # the mean stays at plain decoding; evaluated at b = 1 (the paper's Alg. 2) it would get a 4-token window
-    bound = StepTimes(verify=(0.02, 0.0001, 0.002), draft=(0.0005, 0.0002, 0.00001))
-    none = plan(bound, 0.8, 64, 6)
-    assert none.window == 0
-    assert all(p.window == 0 for p in reconfigure(bound, none, {1: 0.9, 2: 0.9, 3: 0.7}, 6, 64).values())
-    assert reconfigure(bound, none, {1: 0.9, 2: 0.9, 3: 0.7}, 6, 1)[3].window == 4
 
 
 def test_config_fields_and_errors():
@@ -266,3 +205,42 @@ def test_a_drafter_that_cannot_draft_ahead_is_refused(model):
                                                    speculative_draft_model=model, speculative_decoupled=True))
     with pytest.raises(ValueError, match="another module"):
         self_draft.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
+
+
+def test_draining_calls_use_the_drain_plans_windows(model, monkeypatch):
+    """Two slots for four samples: `ScheduledBatch.draining` turns on once the last sample is admitted and stays on;
+    the step plans again at once, and from then on every row drafts exactly its drain-plan window (here 3 for the
+    row with the largest id, 0 for the others; the coupled controller would draft for every row, this oracle's
+    drafts being always right). Greedy tokens unchanged."""
+    import trl_infinite.engine.spec_decode.decoupled as decoupled
+
+    chosen, drafted = [], []  # the row each drain plan gives a window; (draining, that row, {seq_id: k}) per draft
+
+    def drain_rows(times, rows, w_max):
+        chosen.append(max(rows))
+        per_row = {k: Plan(COUPLED, 3 if k == chosen[-1] else 0, 1.0) for k in rows}
+        return Plan(COUPLED, 3, 1.0), per_row
+
+    propose = decoupled.DecoupledStep._propose
+
+    def recorded(self, seqs, ks):
+        drafted.append((self.draining, chosen[-1] if chosen else None, {s.seq_id: k for s, k in zip(seqs, ks)}))
+        return propose(self, seqs, ks)
+
+    monkeypatch.setattr(decoupled, "drain_rows", drain_rows)
+    monkeypatch.setattr(decoupled.DecoupledStep, "_propose", recorded)
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    engine = _engine(model, "test_oracle_ahead", speculative_decoupled=True, sampling_mode="fixed_slot",
+                     max_active_sequences=2)
+    engine.generate(PROMPTS, 2, sp)  # profiles the step times
+    chosen.clear()
+    drafted.clear()
+    draining = []
+    out = engine.generate(PROMPTS, 2, sp, on_decode_step=lambda batch, seconds: draining.append(batch.draining))
+    assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
+    first = draining.index(True)
+    assert 0 < first and all(draining[first:])  # off while samples wait, then on for good
+    assert out.stats.extra["spec_plan_draining"] is False and chosen
+    in_drain = [(row, ks) for flag, row, ks in drafted if flag]
+    assert in_drain and all(k == 0 if sid != row else 0 < k <= 3 for row, ks in in_drain for sid, k in ks.items())
+    assert any(ks[row] == 3 for row, ks in in_drain)  # the window as planned (<3 only where the length cap cuts)

@@ -39,7 +39,7 @@ import torch
 from ..sequence import SeqStatus, Sequence
 from .adaptive import plan_lengths
 from .drafter import EMPTY, Proposal
-from .plan import COUPLED, DECOUPLED, Plan, plan, reconfigure
+from .plan import COUPLED, DECOUPLED, Plan, drain_rows, plan, reconfigure, replan_due
 from .step import SpeculativeStep
 
 
@@ -62,8 +62,10 @@ class DecoupledStep(SpeculativeStep):
     """`SpeculativeStep` with decoupled drafting (module docstring). The plan (Alg. 1) is made at the first step
     where the step-time models and the acceptance have data (before that: today's coupled controller, which
     profiles them), and made again with the current batch every `speculative_reconfigure_every` steps, followed by
-    Alg. 2 for the requests below the mean acceptance. A coupled plan drafts its window (0: none) for every row
-    before the forward; a decoupled one verifies the windows drafted ahead."""
+    Alg. 2 for the requests below the mean acceptance. Once nothing is left to admit (`ScheduledBatch.draining`)
+    the plan is the drain plan instead (`plan.drain`: per-row windows for the least makespan), made at once and then
+    at the same period. A coupled plan drafts its window (0: none) for every row before the forward; a decoupled
+    one verifies the windows drafted ahead."""
 
     def __init__(self, ctx, spec, drafter, sampling, window: int | None, reconfigure_every: int):
         super().__init__(ctx, spec, drafter, sampling)
@@ -74,6 +76,7 @@ class DecoupledStep(SpeculativeStep):
         if fixed is not None:  # a fixed window (or `speculative_adaptive=False`): no plan, no reconfiguration
             self.plan = Plan(DECOUPLED, fixed, 0.0)
         self.per_row: dict[int, Plan] = {}
+        self.draining = False  # the plan in force is the drain plan (its per-row windows are used as they are)
         self.chains: dict[int, _Chain] = {}
         self.pending: list[tuple[int, int]] = []  # (row index, window) drafted ahead this step
         self.steps = 0
@@ -86,25 +89,31 @@ class DecoupledStep(SpeculativeStep):
                          "coupled_rows": 0, "plans": 0}
 
     # -- the plan
-    def _make_plan(self, b: int) -> None:
-        """Alg. 1 at the current batch `b` (first plan of the call, or a periodic re-plan)."""
+    def _make_plan(self, seqs: list[Sequence], draining: bool) -> None:
+        """Alg. 1 (then Alg. 2) at the current batch, or the drain plan when nothing is left to admit (first plan of
+        the call, a periodic re-plan, or the step the call starts draining)."""
         times = self.spec.step_times()
         if times is None or not self.spec.acceptance.counts:
             return
         first = self.plan is None
-        self.plan = plan(times, self.spec.acceptance.alpha(None), b, self.w_max)
+        mean = self.spec.acceptance.alpha(None)
+        self.draining = draining
+        if draining:  # every row's acceptance: its own where it has verified drafts, else the slowest expected
+            seen = self.tracker.counts
+            prior = self.spec.slowest_acceptance(sum(1 for s in seqs if s.seq_id not in seen))
+            prior = mean if prior is None else prior
+            rows = {s.seq_id: (s.length_limit - s.num_generated,
+                               self.tracker.alpha(s.seq_id) if s.seq_id in seen else prior) for s in seqs}
+            self.plan, self.per_row = drain_rows(times, rows, self.w_max)
+        else:
+            self.plan = plan(times, mean, len(seqs), self.w_max)
+            acceptance = {s.seq_id: self.tracker.alpha(s.seq_id) for s in seqs if s.seq_id in self.tracker.counts}
+            self.per_row = reconfigure(times, self.plan, acceptance, self.w_max, len(seqs)) if self.every else {}
         if first:  # the plan at the call's initial batch, for the benchmarks
             self.ctx.stats.extra.update(
-                spec_plan_mode=self.plan.mode, spec_plan_window=self.plan.window, spec_plan_batch=b,
-                spec_plan_tgs=self.plan.tgs, spec_plan_acceptance=self.spec.acceptance.alpha(None))
+                spec_plan_mode=self.plan.mode, spec_plan_window=self.plan.window, spec_plan_batch=len(seqs),
+                spec_plan_tgs=self.plan.tgs, spec_plan_acceptance=mean, spec_plan_draining=draining)
         self.counters["plans"] += 1
-
-    def _reconfigure(self, seqs: list[Sequence]) -> None:
-        times = self.spec.step_times()
-        if times is None:
-            return
-        acceptance = {s.seq_id: self.tracker.alpha(s.seq_id) for s in seqs if s.seq_id in self.tracker.counts}
-        self.per_row = reconfigure(times, self.plan, acceptance, self.w_max, len(seqs))
 
     def _idle(self) -> bool:
         """The plan is "no speculation" for every row (Alg. 1 chose w = 0 and Alg. 2 gave no row a window)."""
@@ -119,15 +128,16 @@ class DecoupledStep(SpeculativeStep):
         return self._idle()
 
     # -- drafting
-    def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
+    def _draft(self, batch) -> list[Proposal]:
+        seqs, lookahead = batch.decode, batch.lookahead
         self.steps += 1
         self.pending = []
-        if self.plan is None or (self.every and self.steps % self.every == 0):
-            self._make_plan(len(seqs))
-            if self.plan is not None and self.every:
-                self._reconfigure(seqs)
+        unplanned = batch.draining and self.draining and any(s.seq_id not in self.per_row for s in seqs)
+        if self.plan is None or replan_due(self.steps, self.every, batch.draining, self.draining, not self._idle(),
+                                           unplanned):
+            self._make_plan(seqs, batch.draining)
         if self.plan is None:  # the step-time models are not profiled yet: today's coupled controller
-            return super()._draft(seqs, lookahead)
+            return super()._draft(batch)
         rows = [self.per_row.get(s.seq_id, self.plan) for s in seqs]
         if all(p.mode == COUPLED for p in rows):  # no row drafts ahead: exactly coupled speculation (or plain)
             return self._draft_coupled(seqs, lookahead, rows)
@@ -160,7 +170,9 @@ class DecoupledStep(SpeculativeStep):
         """Every row coupled: the coupled controller's lengths (`SpeculativeStep._draft`, per-sample acceptance and
         the batch switch), each row capped at its plan's window where Alg. 2 gave it one and at 0 where the plan is
         "no speculation"; the batch plan's own coupled window does not cap (the controller refines it per sample).
-        No drafter thread: with a plan of no speculation the step is the plain static one."""
+        Draining: the drain plan's windows as they are (the controller maximises tokens per second, which is not
+        what a draining call needs). No drafter thread: with a plan of no speculation the step is the plain static
+        one."""
         self.counters["coupled_rows"] += len(seqs)
         for s in seqs:  # windows drafted ahead under an earlier decoupled plan are void now
             chain = self.chains.pop(s.seq_id, None)
@@ -170,6 +182,8 @@ class DecoupledStep(SpeculativeStep):
         caps = [max(0, min(c, s.length_limit - s.num_generated - 1)) for c, s in zip(limit, seqs)]
         if not any(caps):
             return [EMPTY] * len(seqs)
+        if self.draining:
+            return self._propose(seqs, caps)
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
         return self._propose(seqs, plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive))
 

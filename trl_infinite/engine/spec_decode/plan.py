@@ -3,8 +3,9 @@ reconfiguration (Alg. 2), for the execution `decoupled.py` runs.
 
 Step times (seconds), affine as in the paper, fitted online (`AffineFit`):
 
-    V(b, D) = v0 + v1 b + v2 D            verification forward, b rows, D draft tokens in all
-    Dr(b, w) = d0 + d1 w + d2 b w         drafting w tokens for each of b rows (w rounds)
+    V(b, D) = v0 + v1 b + v2 D + v3 [D > 0]   verification forward, b rows, D draft tokens in all (v3: the fixed
+                                              cost of verifying at all, `adaptive.CostModel`)
+    Dr(b, w) = d0 + d1 w + d2 b w             drafting w tokens for each of b rows (w rounds)
 
 Execution (per row, window w, i.i.d. acceptance p per draft token). While the verifier checks the row's drafts
 `D` (|D| = w), the drafter drafts `E = e_1 .. e_{w+1}` on its own thread as if `D` were accepted (`e_1` is its guess
@@ -24,6 +25,20 @@ Coupled (draft, then verify; w = 0 is plain decoding):
 Alg. 1 on one device: `w* = argmax_{1 <= w <= w_max} TGS_d(w, b)`; decoupled runs only if it beats the best coupled
 window (`plan`). Alg. 2: each request below the mean acceptance gets the better of `argmax_w TGS_c(w, b)` and
 `argmax_w TGS_d(w, b)` at its own acceptance (`reconfigure`; the paper evaluates it at b = 1, see there).
+
+Draining (nothing left to admit; `drain`): the call ends when its slowest row does, so the plan minimises the
+makespan instead of the batch's tokens per second. Row r with R_r tokens to go at most and window w_r needs
+n_r = R_r / tok(p_r, w_r) steps (tok: 1 + E_w coupled, pi_w (1 + E_w) + 1 - pi_w decoupled); the call takes
+M = max_r n_r steps of
+
+    S_c(w) = Dr(#{r: w_r > 0}, max_r w_r) + V(b, sum_r w_r)                            coupled
+    S_d(w) = max(Dr(#{r: w_r > 0}, max_r w_r + 1), V(b, sum_r pi_{w_r}(p_r) w_r))      decoupled
+
+seconds each (every row counted at every step: an upper bound once rows finish). Departure from the paper, whose
+objective is throughput throughout: in an RL rollout every sample is submitted at once, so a call spends its end
+(all of it, when every sample fits at once) with nothing to admit, where a faster row that is not the slowest only
+adds verification work (SmolLM2-135M, CPU, 8 rows: speculation raised tokens per second but not one row finished
+sooner, and the call took longer).
 """
 
 from __future__ import annotations
@@ -32,27 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .adaptive import AffineFit
+
 COUPLED, DECOUPLED = "coupled", "decoupled"
-
-
-class AffineFit:
-    """Online ridge least squares of `seconds = coef . x` with exponential forgetting (x: the features)."""
-
-    def __init__(self, n: int, decay: float = 0.98, ridge: float = 1e-3):
-        self.decay, self.ridge = decay, ridge
-        self.xtx = torch.zeros(n, n, dtype=torch.float64)
-        self.xty = torch.zeros(n, dtype=torch.float64)
-        self.n_obs = 0
-        self.coef: tuple[float, ...] | None = None
-
-    def observe(self, x: list[float], seconds: float) -> None:
-        v = torch.tensor(x, dtype=torch.float64)
-        self.xtx = self.decay * self.xtx + torch.outer(v, v)
-        self.xty = self.decay * self.xty + v * seconds
-        self.n_obs += 1
-        scale = float(self.xtx.diagonal().mean())
-        eye = torch.eye(len(x), dtype=torch.float64)
-        self.coef = tuple(torch.linalg.solve(self.xtx + self.ridge * scale * eye, self.xty).clamp_min(0.0).tolist())
 
 
 class DraftTimes:
@@ -75,14 +72,14 @@ class DraftTimes:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """The two affine step-time models (module docstring): `verify` = (v0, v1, v2), `draft` = (d0, d1, d2)."""
+    """The two affine step-time models (module docstring): `verify` = (v0, v1, v2, v3), `draft` = (d0, d1, d2)."""
 
-    verify: tuple[float, float, float]
+    verify: tuple[float, float, float, float]
     draft: tuple[float, float, float]
 
     def verify_time(self, b: float, drafts: float) -> float:
-        v0, v1, v2 = self.verify
-        return max(v0 + v1 * b + v2 * drafts, 1e-9)
+        v0, v1, v2, v3 = self.verify
+        return max(v0 + v1 * b + v2 * drafts + (v3 if drafts > 0 else 0.0), 1e-9)
 
     def draft_time(self, b: float, w: int) -> float:
         if w <= 0 or b <= 0:
@@ -158,3 +155,76 @@ def reconfigure(times: StepTimes, base: Plan, acceptance: dict, w_max: int, batc
         dec, cpl = best_decoupled(times, p, batch, w_max), best_coupled(times, p, batch, w_max)
         out[key] = dec if dec.tgs > cpl.tgs else cpl
     return out
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    """The drain plan (module docstring): `mode`, each row's window, the predicted steps `M` and seconds `M S(w)`."""
+
+    mode: str
+    windows: tuple[int, ...]
+    steps: float
+    seconds: float
+
+
+def _drain_mode(times: StepTimes, remaining: list[int], acceptance: list[float], w_max: int, mode: str) -> DrainPlan:
+    """The least predicted makespan of one mode: for a candidate M each row takes its smallest window with
+    n_r <= M (a row that is not the slowest gains nothing from drafting more), and M ranges over the b (w_max + 1)
+    values n_r(w); ties go to the larger M (fewer drafts)."""
+    f64 = torch.float64
+    ws = torch.arange(w_max + 1, dtype=f64)  # [W]
+    p = torch.tensor(acceptance, dtype=f64).clamp(0.0, 1.0)[:, None]  # [b, 1]
+    tok = (p**ws).cumsum(1)  # [b, W]: 1 + E_w
+    pi = torch.where(p > 0, p / (p + 1.0 - p ** (ws + 1)), torch.zeros((), dtype=f64))  # [b, W]: pi_w, pi_0 = p
+    if mode == DECOUPLED:
+        tok = pi * tok + 1.0 - pi  # [b, W]; w = 0: one token
+    steps = torch.tensor(remaining, dtype=f64)[:, None] / tok  # [b, W]: n_r(w)
+    cand = steps.flatten().unique().flip(0)  # [C], descending
+    ok = steps[None] <= cand[:, None, None]  # [C, b, W]
+    feasible = ok.any(2).all(1)  # [C]
+    cand, ok = cand[feasible], ok[feasible]
+    w = ok.to(torch.uint8).argmax(2)  # [C, b]: the first (smallest) window that makes it
+    drafting = (w > 0).sum(1).to(f64)  # [C]
+    longest = w.max(1).values.to(f64)  # [C]
+    d0, d1, d2 = times.draft
+    v0, v1, v2, v3 = times.verify
+    verified = w.to(f64) if mode == COUPLED else (pi.gather(1, w.T).T * w)  # [C, b]: drafts verified per step
+    drafts = verified.sum(1)  # [C]
+    verify = (v0 + v1 * len(remaining) + v2 * drafts + v3 * (drafts > 0).to(f64)).clamp_min(1e-9)  # [C]
+    rounds = longest if mode == COUPLED else longest + 1
+    draft = torch.where(drafting > 0, d0 + d1 * rounds + d2 * drafting * rounds, torch.zeros((), dtype=f64))
+    step = draft + verify if mode == COUPLED else torch.maximum(draft, verify)  # [C]
+    total = cand * step  # [C]
+    best = int(total.argmin())
+    return DrainPlan(mode, tuple(int(k) for k in w[best].tolist()), float(cand[best]), float(total[best]))
+
+
+def drain(times: StepTimes, remaining: list[int], acceptance: list[float], w_max: int) -> DrainPlan:
+    """The drain plan (module docstring) of rows with `remaining[r]` tokens to go at most and acceptance
+    `acceptance[r]`: the mode and per-row windows with the least predicted makespan (ties: coupled, which wastes
+    nothing; all windows 0 is plain decoding)."""
+    if not remaining:
+        return DrainPlan(COUPLED, (), 0.0, 0.0)
+    cpl = _drain_mode(times, remaining, acceptance, w_max, COUPLED)
+    dec = _drain_mode(times, remaining, acceptance, w_max, DECOUPLED)
+    return dec if dec.seconds < cpl.seconds and any(dec.windows) else cpl
+
+
+def replan_due(step: int, every: int, draining: bool, drain_plan: bool, drafting: bool, unplanned: bool) -> bool:
+    """Whether a planned decoupled step (no fixed window) plans again at decode step `step` (the engine's and the
+    simulator's rule): every `every` steps (0: never after the first plan); and, with `every` > 0, at once when
+    the call starts `draining` or a row has no plan while draining (`unplanned`: prefilled in the step draining
+    began), and at every step of a drain plan that is `drafting`: each verification refines the per-row
+    acceptance the makespan turns on."""
+    if not every:
+        return False
+    return step % every == 0 or (draining and (not drain_plan or drafting or unplanned))
+
+
+def drain_rows(times: StepTimes, rows: dict, w_max: int) -> tuple[Plan, dict]:
+    """`drain` for `rows[key] = (remaining, acceptance)`: the batch plan (its mode, the largest window, the
+    predicted tokens per second of the rest of the call, at most) and {key: Plan} per row."""
+    keys = list(rows)
+    d = drain(times, [rows[k][0] for k in keys], [rows[k][1] for k in keys], w_max)
+    tgs = sum(rows[k][0] for k in keys) / d.seconds if d.seconds > 0 else 0.0
+    return Plan(d.mode, max(d.windows, default=0), tgs), {k: Plan(d.mode, w, tgs) for k, w in zip(keys, d.windows)}

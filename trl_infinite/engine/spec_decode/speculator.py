@@ -3,6 +3,8 @@ decoupled `decoupled.py`)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from ..config import EngineConfig, SamplingParams
@@ -28,6 +30,7 @@ class Speculator:
         self.cost = CostModel()
         self.draft_times = DraftTimes()
         self.acceptance = AcceptanceTracker(decay=0.995)  # key None: every verified draft of every call
+        self.sample_acceptance: deque[float] = deque(maxlen=1024)  # per finished sample, the latest calls'
         self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
         self.draft_model = None
         if self.config.draft_model is not None:
@@ -48,7 +51,21 @@ class Speculator:
         """The fitted verification and drafting step times, None until both models have data."""
         if not (self.cost.ready and self.draft_times.ready):
             return None
-        return StepTimes(tuple(self.cost.coef.tolist()), self.draft_times.fit.coef)
+        return StepTimes(self.cost.coef, self.draft_times.fit.coef)
+
+    def record_samples(self, counts) -> None:
+        """The per-sample acceptance of a finished call, `counts` = (accepted drafts, drafts verified, verifications
+        that rejected one) per sample: (accepted + 1) / (accepted + rejecting + 2) for each sample that verified
+        drafts."""
+        self.sample_acceptance.extend((a + 1) / (a + r + 2) for a, n, r in counts if n > 0)
+
+    def slowest_acceptance(self, rows: int) -> float | None:
+        """The expected acceptance of the slowest of `rows` samples without data of their own: the 1 / (rows + 1)
+        quantile of the recorded per-sample acceptance (None with fewer than 8 samples recorded). The drain plan
+        gives it to such rows, since the call waits for the slowest of them."""
+        if len(self.sample_acceptance) < 8 or rows <= 0:
+            return None
+        return float(torch.tensor(list(self.sample_acceptance), dtype=torch.float64).quantile(1.0 / (rows + 1)))
 
     def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
         drafter = self.build_drafter(sampling)

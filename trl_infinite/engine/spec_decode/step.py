@@ -56,7 +56,7 @@ class SpeculativeStep:
             if not self.drafter.started(s):
                 self.drafter.start(s)
                 self.known[s.seq_id] = s.num_generated
-        proposals = self._draft(seqs, batch.lookahead)
+        proposals = self._draft(batch)
         ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
         try:
             out = self._verify_step(batch, seqs, proposals)
@@ -74,9 +74,11 @@ class SpeculativeStep:
         """Waits for what `_launch_ahead` started (`keep`: use its drafts, else only wait)."""
 
     def close(self) -> None:
-        """End of the call (every exit path): the per-sample acceptance for traces (`sim/speculative.py`)."""
+        """End of the call (every exit path): the per-sample acceptance for traces (`sim/speculative.py`) and for
+        the engine's record (the drain plan's prior, `Speculator.slowest_acceptance`)."""
         self.ctx.stats.extra["spec_sample_acceptance"] = {
             f"{g}/{i}": tuple(c) for (g, i), c in sorted(self.sample_counts.items())}
+        self.spec.record_samples(self.sample_counts.values())
 
     def _verify_step(self, batch: ScheduledBatch, seqs: list[Sequence], proposals: list[Proposal]):
         drafts = [p.tokens for p in proposals]
@@ -137,8 +139,10 @@ class SpeculativeStep:
                     self._update(s)
 
     # -- drafting
-    def _draft(self, seqs: list[Sequence], lookahead: int) -> list[Proposal]:
-        caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
+    def _draft(self, batch: ScheduledBatch) -> list[Proposal]:
+        """Each decode row's drafts for this step (the coupled controller's lengths, `adaptive.plan_lengths`)."""
+        seqs = batch.decode
+        caps = [max(0, min(batch.lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
         alphas = [self.tracker.alpha(s.seq_id) for s in seqs]
         ks = plan_lengths(alphas, caps, self.spec.cost, self.spec.adaptive)
         return self._propose(seqs, ks)
