@@ -146,11 +146,19 @@ def test_a_coupled_plan_runs_coupled_speculation_without_a_drafter_thread(model,
 class _CountedOracle(_AheadOracle):
     """`_AheadOracle` that counts its updates and checks that it always drafts from the whole context."""
 
-    updates = 0
+    updates = starts = stops = 0
+
+    def _start(self, seq):
+        type(self).starts += 1
+        super()._start(seq)
 
     def update(self, seq, tokens):
         type(self).updates += 1
         super().update(seq, tokens)
+
+    def stop(self, seq):
+        type(self).stops += 1
+        super().stop(seq)
 
     def propose(self, seqs, ks):
         for s in seqs:
@@ -244,3 +252,18 @@ def test_draining_calls_use_the_drain_plans_windows(model, monkeypatch):
     in_drain = [(row, ks) for flag, row, ks in drafted if flag]
     assert in_drain and all(k == 0 if sid != row else 0 < k <= 3 for row, ks in in_drain for sid, k in ks.items())
     assert any(ks[row] == 3 for row, ks in in_drain)  # the window as planned (<3 only where the length cap cuts)
+
+
+def test_a_call_planned_without_speculation_never_touches_the_drafter(model, monkeypatch):
+    """A plan of no speculation for the whole call: the drafter is never started, updated or stopped (a suffix
+    tree over the prompt and every completion, a draft model's prefill: work only drafts would use); greedy tokens
+    unchanged."""
+    _fixed_plans(monkeypatch, iter(lambda: Plan(COUPLED, 0, 1.0), None))
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    engine = _engine(model, "test_oracle_counted", speculative_decoupled=True)
+    engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
+    _CountedOracle.starts = _CountedOracle.updates = _CountedOracle.stops = 0
+    out = engine.generate(PROMPTS, 2, sp)
+    assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
+    assert out.stats.draft_tokens == 0
+    assert (_CountedOracle.starts, _CountedOracle.updates, _CountedOracle.stops) == (0, 0, 0)

@@ -1,7 +1,7 @@
 """SpecActor's decoupled-speculation plan (§4.1): the TGS model, the window search (Alg. 1) and the per-request
 reconfiguration (Alg. 2), for the execution `decoupled.py` runs.
 
-Step times (seconds), affine as in the paper, fitted online (`AffineFit`):
+Step times (seconds), affine as in the paper, fitted online (`adaptive.AffineFit`):
 
     V(b, D) = v0 + v1 b + v2 D + v3 [D > 0]   verification forward, b rows, D draft tokens in all (v3: the fixed
                                               cost of verifying at all, `adaptive.CostModel`)

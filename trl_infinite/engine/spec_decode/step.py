@@ -38,8 +38,9 @@ class SpeculativeStep:
         self.greedy = sampling.greedy
         self.tracker = AcceptanceTracker()
         self.verified_rows = 0
-        self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen
-        self.behind: set[int] = set()  # seq_ids whose updates were deferred (`_updates_deferred`)
+        self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen (started samples)
+        self.behind: set[int] = set()  # seq_ids whose start or updates were deferred (`_updates_deferred`)
+        self.retired: list[Sequence] = []  # finished while deferred: the drafter learns them at the next draft
         # (group, sample) -> [drafts accepted, drafts verified, verifications that rejected one]
         self.sample_counts: dict[tuple[int, int], list[int]] = {}
 
@@ -53,9 +54,8 @@ class SpeculativeStep:
         log-probs, raw log-probs or None; see `StepOutput`)."""
         seqs = batch.decode
         for s in seqs:
-            if not self.drafter.started(s):
-                self.drafter.start(s)
-                self.known[s.seq_id] = s.num_generated
+            if s.seq_id not in self.known:
+                self.behind.add(s.seq_id)  # the drafter starts it before its first draft (`_catch_up`)
         proposals = self._draft(batch)
         ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
         try:
@@ -102,41 +102,57 @@ class SpeculativeStep:
         return cut(toks), cut(lps), None if raws is None else cut(raws)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Tell the drafter the tokens the scheduler kept (at once for a finished sample; otherwise deferred while
-        `_updates_deferred()`, until the next draft: `_catch_up`); forget finished samples."""
+        """Tell the drafter the tokens the scheduler kept, and stop finished samples; while `_updates_deferred()`
+        both wait for the next draft (`_catch_up`: a finished sample's completion still serves its running siblings'
+        drafts then), and a call that never drafts again never pays for them."""
         defer = self._updates_deferred()
         for s in batch.decode:
-            if s.seq_id not in self.known:
-                continue
             finished = s.status is SeqStatus.FINISHED
-            if finished or not defer:
-                self._update(s)
-            else:
-                self.behind.add(s.seq_id)
             if finished:
-                self.drafter.stop(s)
                 self.tracker.forget(s.seq_id)
-                del self.known[s.seq_id]
+            if s.seq_id not in self.known and s.seq_id not in self.behind:
+                continue
+            if defer:
+                if finished:
+                    self.behind.discard(s.seq_id)
+                    self.retired.append(s)
+                else:
+                    self.behind.add(s.seq_id)
+                continue
+            self._sync(s)
+            if finished:
+                self._stop(s)
 
     def _updates_deferred(self) -> bool:
         """Whether no row can draft before the next re-plan, so the drafter's per-token updates can wait (decoupled
         speculation with a plan of no speculation); coupled: never (its controller may draft at any step)."""
         return False
 
-    def _update(self, s: Sequence) -> None:
-        """Give the drafter the tokens of `s` it has not seen yet (one update)."""
-        seen = self.known[s.seq_id]
+    def _sync(self, s: Sequence) -> None:
+        """Give the drafter the tokens of `s` it has not seen yet: start it (the whole context), or one update."""
         self.behind.discard(s.seq_id)
-        if seen < s.num_generated:
-            self.known[s.seq_id] = s.num_generated
+        seen = self.known.get(s.seq_id)
+        if seen is None:
+            self.drafter.start(s)
+        elif seen < s.num_generated:
             self.drafter.update(s, s.output_ids[seen:])
+        self.known[s.seq_id] = s.num_generated
+
+    def _stop(self, s: Sequence) -> None:
+        self.drafter.stop(s)
+        del self.known[s.seq_id]
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Before drafting for `seqs`: the updates deferred for any of them (nothing to do unless some were)."""
+        """Before drafting for `seqs`: what was deferred (samples finished meanwhile first, so their completions
+        serve their siblings' drafts; then the starts and updates of `seqs`). Nothing to do unless some was."""
+        for s in self.retired:
+            self._sync(s)
+            self._stop(s)
+        self.retired = []
         if self.behind:
             for s in seqs:
                 if s.seq_id in self.behind:
-                    self._update(s)
+                    self._sync(s)
 
     # -- drafting
     def _draft(self, batch: ScheduledBatch) -> list[Proposal]:
