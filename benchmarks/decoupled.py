@@ -8,7 +8,7 @@ adaptive controller) and decoupled speculation (the TGS plan, Alg. 1 + 2; the dr
 thread). Each engine first makes a warm-up call with another seed (`--warmup-tokens`; it profiles the step-time
 models and the acceptance the plan needs, as a training run's earlier calls would), then the measured call. Columns: wall seconds and process CPU seconds (both threads) of the call, decode forwards (every
 decode/verify forward), verify forwards (forwards that verified at least one draft), the mean acceptance length,
-the plan the decoupled engine chose, the measured speed (generated tokens / wall second), the simulator's predicted
+the plan the decoupled engine chose (at the first decode step of the call), the measured speed (generated tokens / wall second), the simulator's predicted
 speed for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
 engine's fitted step times, host work outside the forwards not modelled), and the speed-up over `none`.
 `same_as_none`: whether the call emitted plain decoding's tokens; a row may differ only after a tie at float32
@@ -16,7 +16,7 @@ rounding (checked, as the fuzzer does; anything else raises, naming the mode, ro
 
 `--repeats N`: N repetitions per batch size with fresh engines, the three modes interleaved (each mode runs first
 in turn), so that the machine's load drifts over all of them alike; `wall_s` / `cpu_s` are the medians over the
-repetitions, `wall_range` their spread, `load` the range of the 1-minute load average when the measured calls
+repetitions, `wall_range` their spread, `verify_fwd_reps` the verify forwards of each repetition, `load` the range of the 1-minute load average when the measured calls
 started (on a shared machine wall times are only comparable at a load below the core count; the drafter thread
 needs a free core); the other columns are the last repetition's.
 
@@ -200,7 +200,7 @@ def main() -> None:
     draft = truncated(model, args.draft_layers) if args.drafter == "draft_model" else None
     header = run_header(device, "python benchmarks/decoupled.py " + shlex.join(sys.argv[1:]))
     table = Table(["batch", "mode", "same_as_none", "wall_s", "wall_range", "cpu_s", "load", "decode_fwd", "verify_fwd",
-                   "accept_len", "plan", "tok_s", "sim_tok_s", "speedup_vs_none"])
+                   "verify_fwd_reps", "accept_len", "plan", "tok_s", "sim_tok_s", "speedup_vs_none"])
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                         eos_token_ids=[tok.eos_token_id])
     warm = SamplingParams(max_new_tokens=args.warmup_tokens, temperature=args.temperature, seed=args.seed + 1,
@@ -212,6 +212,7 @@ def main() -> None:
         cpus: dict[str, list[float]] = {m: [] for m in MODES}
         loads: list[float] = []
         same: dict[str, list[str]] = {m: [] for m in MODES}
+        verifies: dict[str, list[int]] = {m: [] for m in MODES}
         runs = {}
         for rep in range(args.repeats):
             order = args.order[rep % 3:] + args.order[: rep % 3]  # interleaved: each mode first in turn
@@ -225,6 +226,7 @@ def main() -> None:
                 reps[mode] = (out, time.perf_counter() - t0, time.process_time() - c0, engine)
                 walls[mode].append(reps[mode][1])
                 cpus[mode].append(reps[mode][2])
+                verifies[mode].append(out.stats.verify_steps)
                 print(f"b={b} rep {rep} {mode}: {reps[mode][1]:.1f}s wall, {reps[mode][2]:.1f}s cpu, load "
                       f"{loads[-1]:.2f}", file=sys.stderr, flush=True)
             for m in MODES:
@@ -257,7 +259,7 @@ def main() -> None:
             table.add(batch=b, mode=mode, same_as_none=", ".join(sorted(set(same[mode]))), wall_s=wall,
                       wall_range=f"{min(walls[mode]):.3g}-{max(walls[mode]):.3g}", cpu_s=cpu,
                       load=f"{min(loads):.2f}-{max(loads):.2f}", decode_fwd=s.decode_steps,
-                      verify_fwd=s.verify_steps, accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed,
+                      verify_fwd=s.verify_steps, verify_fwd_reps=" ".join(map(str, verifies[mode])), accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed,
                       sim_tok_s=sim_speed, speedup_vs_none=speed / base_speed)
     write_results(args.json, header, table, {"args": vars(args)})
 
