@@ -2,23 +2,25 @@
 real weights on chat-formatted GSM8K train questions, at several batch sizes, with the simulator's prediction beside
 each measured row.
 
-Per batch size b (b / G prompts, G samples each, all b samples decoding together: `sampling_mode="full_group"`),
-three fresh engines roll out the same prompts with the same seed: no speculation, coupled speculation (today's
-adaptive controller) and decoupled speculation (the TGS plan, Alg. 1 + 2; the drafter drafts ahead on its own
-thread). Each engine first makes a warm-up call with another seed (`--warmup-tokens`; it profiles the step-time
-models and the acceptance the plan needs, as a training run's earlier calls would), then the measured call. Columns: wall seconds and process CPU seconds (both threads) of the call, decode forwards (every
-decode/verify forward), verify forwards (forwards that verified at least one draft), the mean acceptance length,
-the plan the decoupled engine chose (at the first decode step of the call), the measured speed (generated tokens / wall second), the simulator's predicted
-speed for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
-engine's fitted step times, host work outside the forwards not modelled), and the speed-up over `none`.
-`same_as_none`: whether the call emitted plain decoding's tokens; a row may differ only after a tie at float32
-rounding (checked, as the fuzzer does; anything else raises, naming the mode, row, token and margin).
+Per batch size b (b / G prompts, G samples each, all b samples decoding together: `sampling_mode="full_group"`), three
+fresh engines roll out the same prompts with the same seed: no speculation, coupled speculation (today's adaptive
+controller) and decoupled speculation (the TGS plan, Alg. 1 + 2, or the drain plan once nothing is left to admit,
+which here is from the first step; the drafter drafts ahead on its own thread). Each
+engine first makes a warm-up call with another seed (`--warmup-tokens`; it profiles the step-time models and the
+acceptance the plan needs, as a training run's earlier calls would), then the measured call. Columns: wall seconds and
+process CPU seconds (both threads) of the call, decode forwards (every decode/verify forward), verify forwards
+(forwards that verified at least one draft), the mean acceptance length, the plan the decoupled engine chose (at the
+first decode step of the call), the measured speed (generated tokens / wall second), the simulator's predicted speed
+for the same mode (`sim/speculative.py`: the call replayed on its own lengths and per-sample acceptance with the
+engine's fitted step times, host work outside the forwards not modelled), and the speed-up over `none`. `same_as_none`:
+whether the call emitted plain decoding's tokens; a row may differ only after a tie at float32 rounding (checked, as
+the fuzzer does; anything else raises, naming the mode, row, token and margin).
 
-`--repeats N`: N repetitions per batch size with fresh engines, the three modes interleaved (each mode runs first
-in turn), so that the machine's load drifts over all of them alike; `wall_s` / `cpu_s` are the medians over the
-repetitions, `wall_range` their spread, `verify_fwd_reps` the verify forwards of each repetition, `load` the range of the 1-minute load average when the measured calls
-started (on a shared machine wall times are only comparable at a load below the core count; the drafter thread
-needs a free core); the other columns are the last repetition's.
+`--repeats N`: N repetitions per batch size with fresh engines, the three modes interleaved (each mode runs first in
+turn), so that the machine's load drifts over all of them alike; `wall_s` / `cpu_s` are the medians over the
+repetitions, `wall_range` their spread, `verify_fwd_reps` the verify forwards of each repetition, `load` the range of
+the 1-minute load average when the measured calls started (on a shared machine wall times are only comparable at a load
+below the core count; the drafter thread needs a free core); the other columns are the last repetition's.
 
 Drafters: `--drafter suffix` (the group's suffix tree: nearly free drafting, so the plan is expected to keep coupled
 execution) or `--drafter draft_model` (a truncated SmolLM2, its first `--draft-layers` layers with the final norm and
