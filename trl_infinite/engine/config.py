@@ -278,7 +278,8 @@ class SpeculativeConfig(Section):
         16, "Decoupled speculation: decode steps between re-plans at the current batch, each followed by the per-request "
         "reconfiguration (Alg. 2: samples below the mean acceptance get a smaller window or coupled execution). Once "
         "nothing is left to admit, the drain plan (per-row windows for the least makespan) instead: made at once, "
-        "then at every step while it drafts and at this period while it does not. 0 = plan once.", (f"{_SPEC}speculator.py",), minimum=0)
+        "then at every step while it drafts and at this period while it does not. 0 = plan once.",
+        (f"{_SPEC}speculator.py",), minimum=0)
     suffix: SuffixConfig = section(SuffixConfig)
     ngram: NgramConfig = section(NgramConfig)
     best_of_n: BestOfNConfig = section(BestOfNConfig)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..engine.batch import ScheduledBatch, StepOutput
 from ..engine.outputs import RolloutStats
+from ..engine.spec_decode.adaptive import sample_acceptance
 from ..engine.spec_decode.plan import (
     COUPLED,
     DECOUPLED,
@@ -61,13 +62,13 @@ class SpecReplay:
 
 
 def acceptance_from_stats(extra: dict, group: int, num_generations: int) -> list[float]:
-    """Per-sample acceptance of one prompt from a call's `stats.extra["spec_sample_acceptance"]` (accepted drafts
-    over accepted + rejecting verifications, with a Beta(1, 1) prior: samples never verified get 0.5)."""
+    """Per-sample acceptance of one prompt from a call's `stats.extra["spec_sample_acceptance"]`
+    (`adaptive.sample_acceptance`: samples never verified get 0.5)."""
     counts = extra.get("spec_sample_acceptance", {})
     out = []
     for i in range(num_generations):
         accepted, _, rejected = counts.get(f"{group}/{i}", (0, 0, 0))
-        out.append((accepted + 1) / (accepted + rejected + 2))
+        out.append(sample_acceptance(accepted, rejected))
     return out
 
 

@@ -44,6 +44,12 @@ class AcceptanceTracker:
         self.counts.pop(key, None)
 
 
+def sample_acceptance(accepted: int, rejecting: int) -> float:
+    """One sample's per-token acceptance estimate from its call's counts: accepted drafts over accepted drafts +
+    verifications that rejected one, with a Beta(1, 1) prior (a sample never verified: 0.5)."""
+    return (accepted + 1) / (accepted + rejecting + 2)
+
+
 def expected_accepted(alpha: float, k: int) -> float:
     """E_k = sum_{i=1..k} alpha^i."""
     return sum(alpha**i for i in range(1, k + 1))

@@ -10,7 +10,7 @@ import torch
 from ..config import EngineConfig, SamplingParams
 from ..executor import StepContext
 from ..registry import DRAFTERS
-from .adaptive import AcceptanceTracker, CostModel
+from .adaptive import AcceptanceTracker, CostModel, sample_acceptance
 from .decoupled import DecoupledStep
 from .drafter import DraftContext, Drafter
 from .plan import DraftTimes, StepTimes
@@ -55,9 +55,8 @@ class Speculator:
 
     def record_samples(self, counts) -> None:
         """The per-sample acceptance of a finished call, `counts` = (accepted drafts, drafts verified, verifications
-        that rejected one) per sample: (accepted + 1) / (accepted + rejecting + 2) for each sample that verified
-        drafts."""
-        self.sample_acceptance.extend((a + 1) / (a + r + 2) for a, n, r in counts if n > 0)
+        that rejected one) per sample: `adaptive.sample_acceptance` of each sample that verified drafts."""
+        self.sample_acceptance.extend(sample_acceptance(a, r) for a, n, r in counts if n > 0)
 
     def slowest_acceptance(self, rows: int) -> float | None:
         """The expected acceptance of the slowest of `rows` samples without data of their own: the 1 / (rows + 1)

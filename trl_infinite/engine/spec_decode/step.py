@@ -124,7 +124,7 @@ class SpeculativeStep:
                 self._stop(s)
 
     def _updates_deferred(self) -> bool:
-        """Whether no row can draft before the next re-plan, so the drafter's per-token updates can wait (decoupled
+        """Whether no row can draft before the next re-plan, so the drafter's starts and updates can wait (decoupled
         speculation with a plan of no speculation); coupled: never (its controller may draft at any step)."""
         return False
 
