@@ -8,8 +8,8 @@ Cost (SpecActor's affine model, plus the fixed cost of a verification): the time
 samples and `D` draft tokens is `t(b, D) = c0 + c1 b + c2 D + c3 [D > 0]`, fitted online by decayed ridge least
 squares on the measured steps. `c3` is what a step pays for verifying at all: a step without drafts is the plain
 static decode step (on CUDA a captured graph, on CPU the prebuilt cascade), a step with drafts an eager
-multi-token forward that also makes the next plain step rebuild its rows (SmolLM2-135M, CPU, 8 rows: 97 ms plain,
-117 ms with one draft, +3 ms per further draft; without `c3` the fit spread the 20 ms over `c2`). The marginal cost
+multi-token forward that also makes the next plain step rebuild its rows (`benchmarks/spec_costs.py`, SmolLM2-135M,
+CPU, 8 rows: c3 = 20 ms against c2 = 2 ms per draft token, on plain steps of 138 ms). The marginal cost
 of one draft token relative to one sample's share of a plain step is `gamma(b) = c2 b / t(b, 0)`, floored at
 `min_gamma` (drafting and bookkeeping are not free either).
 Each sample takes `k* = argmax_k (1 + E_k) / (1 + gamma k)` (k = 0 when `alpha <= gamma`), and the step speculates
