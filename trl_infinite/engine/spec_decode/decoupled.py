@@ -14,8 +14,7 @@ Rows in coupled mode (the plan's fallback, or a request Alg. 2 moved there) are 
 caller's thread, as in coupled speculation; every row is verified in the one verification forward of the step.
 When no row is in decoupled mode the step is exactly coupled speculation (the coupled controller's per-sample
 lengths, within Alg. 2's windows) or, with a plan of no speculation, plain decoding: no drafter thread, no drafting,
-no draft slots reserved, and the drafter's work deferred until a re-plan drafts again (`_catch_up`): starting new
-samples, one update per sample with everything it missed, and the samples finished meanwhile.
+no draft slots reserved, and no drafter work (its starts and updates wait for the next draft, `_catch_up`).
 
 The drafter thread is one worker per call (on CUDA it drafts on its own stream); PyTorch releases the GIL inside
 its kernels, so on CPU a model drafter computes while the verifier's kernels run. The drafter's state is only ever
@@ -123,9 +122,6 @@ class DecoupledStep(SpeculativeStep):
     def lookahead(self, num_running: int) -> int:
         """No draft slots while idle (a re-plan that resumes speculation drafts from the step after it)."""
         return 0 if self._idle() else self.w_max
-
-    def _updates_deferred(self) -> bool:
-        return self._idle()
 
     # -- drafting
     def _draft(self, batch) -> list[Proposal]:

@@ -4,7 +4,7 @@ Each decode sample's segment is `[pending token, d_1 .. d_k]` (pending = the las
 `num_tokens - 1`, whose KV is not cached yet). The forward writes the KV of all k+1 positions; rejected positions
 are simply overwritten later, and the scheduler trims the blocks reserved for drafts back to the emitted length
 (`lookahead`). The step returns every verified token; the scheduler keeps them up to the sample's end
-(`Sequence.append_token`), and the drafter then learns what was actually kept (`after_step`).
+(`Sequence.append_token`), and the drafter learns what was actually kept before its next draft (`_catch_up`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ class SpeculativeStep:
         self.tracker = AcceptanceTracker()
         self.verified_rows = 0
         self.known: dict[int, int] = {}  # seq_id -> output tokens the drafter has seen (started samples)
-        self.behind: set[int] = set()  # seq_ids whose start or updates were deferred (`_updates_deferred`)
-        self.retired: list[Sequence] = []  # finished while deferred: the drafter learns them at the next draft
+        self.retired: list[Sequence] = []  # finished since the last draft: the drafter learns them at the next one
         # (group, sample) -> [drafts accepted, drafts verified, verifications that rejected one]
         self.sample_counts: dict[tuple[int, int], list[int]] = {}
 
@@ -53,9 +52,6 @@ class SpeculativeStep:
         """Draft, verify in one forward, return each row's accepted drafts + correction/bonus token (tokens,
         log-probs, raw log-probs or None; see `StepOutput`)."""
         seqs = batch.decode
-        for s in seqs:
-            if s.seq_id not in self.known:
-                self.behind.add(s.seq_id)  # the drafter starts it before its first draft (`_catch_up`)
         proposals = self._draft(batch)
         ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
         try:
@@ -102,35 +98,16 @@ class SpeculativeStep:
         return cut(toks), cut(lps), None if raws is None else cut(raws)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Tell the drafter the tokens the scheduler kept, and stop finished samples; while `_updates_deferred()`
-        both wait for the next draft (`_catch_up`: a finished sample's completion still serves its running siblings'
-        drafts then), and a call that never drafts again never pays for them."""
-        defer = self._updates_deferred()
+        """Forget finished samples' acceptance and keep them for the drafter's next catch-up (`_catch_up`). The
+        drafter itself learns nothing here: whatever it is told (new samples, their tokens, finished siblings) waits
+        for the next draft, so a step or a whole call without drafts costs the drafter nothing."""
         for s in batch.decode:
-            finished = s.status is SeqStatus.FINISHED
-            if finished:
+            if s.status is SeqStatus.FINISHED:
                 self.tracker.forget(s.seq_id)
-            if s.seq_id not in self.known and s.seq_id not in self.behind:
-                continue
-            if defer:
-                if finished:
-                    self.behind.discard(s.seq_id)
-                    self.retired.append(s)
-                else:
-                    self.behind.add(s.seq_id)
-                continue
-            self._sync(s)
-            if finished:
-                self._stop(s)
-
-    def _updates_deferred(self) -> bool:
-        """Whether no row can draft before the next re-plan, so the drafter's starts and updates can wait (decoupled
-        speculation with a plan of no speculation); coupled: never (its controller may draft at any step)."""
-        return False
+                self.retired.append(s)
 
     def _sync(self, s: Sequence) -> None:
         """Give the drafter the tokens of `s` it has not seen yet: start it (the whole context), or one update."""
-        self.behind.discard(s.seq_id)
         seen = self.known.get(s.seq_id)
         if seen is None:
             self.drafter.start(s)
@@ -143,16 +120,15 @@ class SpeculativeStep:
         del self.known[s.seq_id]
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Before drafting for `seqs`: what was deferred (samples finished meanwhile first, so their completions
-        serve their siblings' drafts; then the starts and updates of `seqs`). Nothing to do unless some was."""
+        """Before drafting for `seqs`, on the caller's thread: the samples finished since the last draft first (their
+        completions serve their siblings' drafts; then they are stopped), then each of `seqs` started or brought up
+        to date in one update."""
         for s in self.retired:
             self._sync(s)
             self._stop(s)
         self.retired = []
-        if self.behind:
-            for s in seqs:
-                if s.seq_id in self.behind:
-                    self._sync(s)
+        for s in seqs:
+            self._sync(s)
 
     # -- drafting
     def _draft(self, batch: ScheduledBatch) -> list[Proposal]:
