@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import time
@@ -235,6 +236,23 @@ class Table:
     def markdown(self) -> str:
         head = "| " + " | ".join(self.columns) + " |\n|" + "---|" * len(self.columns) + "\n"
         return head + "\n".join(self.markdown_row(r) for r in self.rows)
+
+
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Distribution-free confidence interval of the median of `xs` (order statistics, the sign test):
+    `(x_(k), x_(n+1-k), coverage)` for the largest k whose coverage `1 - 2 P(Bin(n, 1/2) < k)` is still >= `level`;
+    with too few values for `level` (n < 6 at 0.95), the range (k = 1) and its lower coverage."""
+    xs, n = sorted(xs), len(xs)
+    if n == 0:
+        raise ValueError("median_ci: no values")
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
 
 
 def _fmt(v) -> str:

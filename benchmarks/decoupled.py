@@ -21,6 +21,10 @@ turn), so that the machine's load drifts over all of them alike; `wall_s` / `cpu
 repetitions, `wall_range` their spread, `verify_fwd_reps` the verify forwards of each repetition, `load` the range of
 the 1-minute load average when the measured calls started (on a shared machine wall times are only comparable at a load
 below the core count; the drafter thread needs a free core); the other columns are the last repetition's.
+`wall_vs_none` / `wall_vs_coupled`: the paired comparison, the median over repetitions of this mode's wall time over
+`none`'s (`coupled`'s) in the same repetition, with its distribution-free confidence interval (order statistics;
+`ci_coverage` is its coverage, >= 0.95 from 6 repetitions on): the calls of one repetition run back to back, so the
+ratio cancels the load that drifts between repetitions, which the medians of each mode do not.
 
 Drafters: `--drafter suffix` (the group's suffix tree: nearly free drafting, so the plan is expected to keep coupled
 execution) or `--drafter draft_model` (a truncated SmolLM2, its first `--draft-layers` layers with the final norm and
@@ -42,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from common import Table, pick_device, run_header, write_results
+from common import Table, median_ci, pick_device, run_header, write_results
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.sampler import Sampler, row_keys, uniform64
@@ -156,6 +160,14 @@ def truncated(model: torch.nn.Module, layers: int) -> torch.nn.Module:
     return draft.eval()
 
 
+def paired_ratio(walls: list[float], base: list[float]) -> str:
+    """`"median [lo, hi]"` of the per-repetition ratios `walls[r] / base[r]` (the calls of one repetition run back
+    to back), the interval `median_ci`'s."""
+    ratios = [w / b for w, b in zip(walls, base, strict=True)]
+    lo, hi, _ = median_ci(ratios)
+    return f"{statistics.median(ratios):.3f} [{lo:.3f}, {hi:.3f}]"
+
+
 def engine_config(args, mode: str, b: int, draft, forced: bool = False) -> EngineConfig:
     """The engine of one mode. `forced`: speculation at every step whatever the timings (no adaptive controller;
     decoupled execution with the full window instead of the TGS plan), for `decoupled_lossless.py`."""
@@ -202,7 +214,8 @@ def main() -> None:
     draft = truncated(model, args.draft_layers) if args.drafter == "draft_model" else None
     header = run_header(device, "python benchmarks/decoupled.py " + shlex.join(sys.argv[1:]))
     table = Table(["batch", "mode", "same_as_none", "wall_s", "wall_range", "cpu_s", "load", "decode_fwd", "verify_fwd",
-                   "verify_fwd_reps", "accept_len", "plan", "tok_s", "sim_tok_s", "speedup_vs_none"])
+                   "verify_fwd_reps", "accept_len", "plan", "tok_s", "sim_tok_s", "speedup_vs_none", "wall_vs_none",
+                   "wall_vs_coupled", "ci_coverage"])
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                         eos_token_ids=[tok.eos_token_id])
     warm = SamplingParams(max_new_tokens=args.warmup_tokens, temperature=args.temperature, seed=args.seed + 1,
@@ -237,6 +250,8 @@ def main() -> None:
         ref = runs["none"][0].completion_ids
         base_speed = None
         fitted = [m for m in ("decoupled", "coupled") if runs[m][3].speculator.step_times() is not None]
+        paired = {(m, base): paired_ratio(walls[m], walls[base])
+                  for m, base in (("coupled", "none"), ("decoupled", "none"), ("decoupled", "coupled"))}
         for mode in MODES:
             out, _, _, engine = runs[mode]
             wall, cpu = statistics.median(walls[mode]), statistics.median(cpus[mode])
@@ -261,8 +276,11 @@ def main() -> None:
             table.add(batch=b, mode=mode, same_as_none=", ".join(sorted(set(same[mode]))), wall_s=wall,
                       wall_range=f"{min(walls[mode]):.3g}-{max(walls[mode]):.3g}", cpu_s=cpu,
                       load=f"{min(loads):.2f}-{max(loads):.2f}", decode_fwd=s.decode_steps,
-                      verify_fwd=s.verify_steps, verify_fwd_reps=" ".join(map(str, verifies[mode])), accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed,
-                      sim_tok_s=sim_speed, speedup_vs_none=speed / base_speed)
+                      verify_fwd=s.verify_steps, verify_fwd_reps=" ".join(map(str, verifies[mode])),
+                      accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed,
+                      sim_tok_s=sim_speed, speedup_vs_none=speed / base_speed,
+                      wall_vs_none=paired.get((mode, "none")), wall_vs_coupled=paired.get((mode, "coupled")),
+                      ci_coverage=median_ci(walls[mode])[2])
     write_results(args.json, header, table, {"args": vars(args)})
 
 
