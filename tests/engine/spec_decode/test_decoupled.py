@@ -12,8 +12,10 @@ from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.spec_decode import register_drafter
 from trl_infinite.engine.spec_decode.plan import (
     COUPLED,
+    DECOUPLED,
     Plan,
 )
+from trl_infinite.engine.spec_decode.step import SpeculativeStep
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
 MAX_NEW = 32
@@ -160,9 +162,20 @@ class _CountedOracle(_AheadOracle):
         type(self).stops += 1
         super().stop(seq)
 
+    assumed: dict[int, int] = {}  # seq_id -> tokens assumed after the context while drafting ahead
+
+    def propose_ahead(self, seqs, assumed, ks):
+        self.assumed = {s.seq_id: len(a) for s, a in zip(seqs, assumed)}
+        try:
+            return super().propose_ahead(seqs, assumed, ks)
+        finally:
+            self.assumed = {}
+
     def propose(self, seqs, ks):
         for s in seqs:
-            assert self.ctx[s.seq_id] == s.group.prompt_ids + s.output_ids, "drafting from a stale context"
+            ctx = self.ctx[s.seq_id]
+            ctx = ctx[: len(ctx) - self.assumed.get(s.seq_id, 0)]
+            assert ctx == s.group.prompt_ids + s.output_ids, "drafting from a stale context"
         return super().propose(seqs, ks)
 
 
@@ -170,7 +183,8 @@ def test_a_plan_of_no_speculation_defers_the_drafters_updates(model, monkeypatch
     """While the plan is "no speculation" a step is the plain one: no draft slots reserved and no per-token update
     of the drafter; when a re-plan drafts again, the drafter first gets everything it missed (it never drafts from a
     stale context), and the tokens stay plain greedy decoding's."""
-    _fixed_plans(monkeypatch, iter([Plan(COUPLED, 0, 1.0), Plan(COUPLED, 3, 1.0)] * 100))  # none, w=3, none, ...
+    # none, then w=3 for three plans (the first of them drafts from the step after it: no slots were reserved)
+    _fixed_plans(monkeypatch, iter(([Plan(COUPLED, 0, 1.0)] + [Plan(COUPLED, 3, 1.0)] * 3) * 100))
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     engine = _engine(model, "test_oracle_counted", speculative_decoupled=True, speculative_reconfigure_every=4)
     engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
@@ -267,3 +281,32 @@ def test_a_call_planned_without_speculation_never_touches_the_drafter(model, mon
     assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
     assert out.stats.draft_tokens == 0
     assert (_CountedOracle.starts, _CountedOracle.updates, _CountedOracle.stops) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("mode", [COUPLED, DECOUPLED])
+def test_a_replan_that_resumes_speculation_drafts_only_into_reserved_slots(model, monkeypatch, mode):
+    """Regression (a real-weights run of `benchmarks/decoupled.py`: every row of a b = 8 call left plain decoding):
+    while the plan is "no speculation" no draft slots are reserved (`lookahead` 0), so a re-plan that resumes
+    speculation in the middle of a step must not draft before the next step. The drain plan's per-row windows were
+    drafted at once, their KV written past the sample's blocks (into another block) and the tokens after them
+    sampled from corrupted context. Blocks of 4 tokens, so that every window of 5 crosses a block."""
+    plans = iter(([Plan(COUPLED, 0, 1.0)] + [Plan(mode, 5, 1.0)] * 3) * 100)  # none, then w=5 for three plans
+    _fixed_plans(monkeypatch, plans)
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=16384, block_size=4,
+                                               speculative_method="test_oracle_counted",
+                                               speculative_draft_model=copy.deepcopy(model),
+                                               speculative_decoupled=True, speculative_reconfigure_every=3))
+    engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
+    steps = []  # (draft slots reserved, most drafts verified by a row) per step
+    propose = SpeculativeStep._verify_step
+
+    def recorded(self, batch, seqs, proposals):
+        steps.append((batch.lookahead, max(len(p.tokens) for p in proposals)))
+        return propose(self, batch, seqs, proposals)
+
+    monkeypatch.setattr(SpeculativeStep, "_verify_step", recorded)
+    out = engine.generate(PROMPTS, 2, sp)
+    assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
+    assert out.stats.draft_tokens > 0 and any(k == 0 for k, _ in steps)  # idle stretches and drafting ones
+    assert all(drafts <= reserved for reserved, drafts in steps)

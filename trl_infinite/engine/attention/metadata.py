@@ -187,6 +187,24 @@ def _pad(rows: list[list[int]]) -> torch.Tensor:
     return out
 
 
+def _check_capacity(segments: list[Segment], q_seg: torch.Tensor, q_pos: torch.Tensor, prompt_lens: torch.Tensor,
+                    block_size: int) -> None:
+    """Refuse a forward that would write KV past a segment's blocks (host tensors, no device sync): the slot lookup
+    clamps to the table, so such a token would silently overwrite another position's KV (the scheduler reserves
+    the blocks of every token a forward writes; a caller that drafts more than it reserved is a bug)."""
+    prefix_cap = torch.tensor([len(s.prefix_blocks) for s in segments], dtype=torch.long) * block_size  # [S]
+    own_cap = torch.tensor([len(s.suffix_blocks) for s in segments], dtype=torch.long) * block_size  # [S]
+    plen = prompt_lens[q_seg]  # [T]
+    fits = torch.where(q_pos < plen, q_pos < prefix_cap[q_seg], q_pos - plen < own_cap[q_seg])  # [T]
+    if not bool(fits.all()):
+        i = int(q_seg[~fits][0])
+        seg = segments[i]
+        raise RuntimeError(
+            f"segment {i} writes KV at positions {seg.start_pos}..{seg.end_pos - 1} (prompt {seg.prompt_len} tokens) "
+            f"but holds {len(seg.prefix_blocks)} prompt and {len(seg.suffix_blocks)} own blocks of {block_size}: it "
+            "would overwrite other KV (a caller wrote more tokens than the scheduler reserved slots for)")
+
+
 def build_metadata(segments: list[Segment], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
     """Pack host-side segments into `input_ids` [1, T], `position_ids` [1, T] and the attention metadata."""
     q_lens = torch.tensor([len(s.tokens) for s in segments], dtype=torch.long)
@@ -199,6 +217,7 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
     prompt_lens = torch.tensor([s.prompt_len for s in segments], dtype=torch.long)
     prefix_table = _pad([s.prefix_blocks for s in segments])
     suffix_table = _pad([s.suffix_blocks for s in segments])
+    _check_capacity(segments, q_seg, q_pos, prompt_lens, block_size)
     slot_mapping = slots_for_positions(q_pos[:, None], prompt_lens[q_seg], prefix_table[q_seg], suffix_table[q_seg], block_size)[:, 0]
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     copies = torch.tensor([c for s in segments for c in s.copies], dtype=torch.long).reshape(-1, 2)  # [C, 2]

@@ -167,15 +167,17 @@ class DecoupledStep(SpeculativeStep):
         the batch switch), each row capped at its plan's window where Alg. 2 gave it one and at 0 where the plan is
         "no speculation"; the batch plan's own coupled window does not cap (the controller refines it per sample).
         Draining: the drain plan's windows as they are (the controller maximises tokens per second, which is not
-        what a draining call needs). No drafter thread: with a plan of no speculation the step is the plain static
-        one."""
+        what a draining call needs). Every row at most `lookahead` drafts, the KV slots reserved for them. No
+        drafter thread: with a plan of no speculation the step is the plain static one."""
         self.counters["coupled_rows"] += len(seqs)
         for s in seqs:  # windows drafted ahead under an earlier decoupled plan are void now
             chain = self.chains.pop(s.seq_id, None)
             if chain is not None:
                 self.counters["ahead_wasted"] += len(chain.tokens)
         limit = [lookahead if p is self.plan and p.window > 0 else p.window for p in rows]
-        caps = [max(0, min(c, s.length_limit - s.num_generated - 1)) for c, s in zip(limit, seqs)]
+        # never past the slots the scheduler reserved (`lookahead`: 0 while the plan was "no speculation", so a
+        # re-plan that resumes speculation drafts from the next step)
+        caps = [max(0, min(c, lookahead, s.length_limit - s.num_generated - 1)) for c, s in zip(limit, seqs)]
         if not any(caps):
             return [EMPTY] * len(seqs)
         if self.draining:
