@@ -12,7 +12,10 @@ fails.
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest.mock import patch
 
 import torch
 from _models import tiny_model
@@ -22,6 +25,8 @@ from trl_infinite.engine import EngineConfig, RolloutEngine, RolloutResult, Samp
 from trl_infinite.engine.block_manager import blocks_for
 from trl_infinite.engine.logits import GenerationProcessors
 from trl_infinite.engine.sampler import Sampler, row_keys, seen_mask, uniform64
+from trl_infinite.engine.spec_decode import decoupled
+from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan
 
 TIE_TOLERANCE = 1e-5  # relative to the largest logit / the row's total mass
 VOCAB = 96
@@ -44,12 +49,15 @@ class Call:
 
 @dataclass
 class Case:
-    """An engine configuration (all but the pool size) and the calls made on one engine built with it."""
+    """An engine configuration (all but the pool size) and the calls made on one engine built with it.
+    `plan_seed`: decoupled speculation's plans (Alg. 1, Alg. 2, the drain plan) drawn at random from this seed
+    instead of from wall-clock timings (`scripted_plans`); None: the engine's own."""
 
     arch: str
     config: dict
     extra_blocks: int  # pool size = the smallest the calls accept + this
     calls: list[Call] = field(default_factory=list)
+    plan_seed: int | None = None
 
     def engine_config(self, draft_model=None) -> EngineConfig:
         bs = self.config["block_size"]
@@ -146,6 +154,8 @@ def engine_settings(draw, allow_compile: bool) -> dict:
 def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
     case = Case(arch=draw(st.sampled_from(["qwen3", "llama"])), config=draw(engine_settings(allow_compile)),
                 extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 8, 64])))
+    if case.config.get("speculative_decoupled") and case.config.get("speculative_draft_window") is None:
+        case.plan_seed = draw(st.one_of(st.none(), st.integers(0, 2**32 - 1)))
     for _ in range(draw(st.integers(1, 3))):  # several calls on one engine: history, predictors, pool reuse
         fault = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1, 6)))
         case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool)), fault))
@@ -288,6 +298,34 @@ def world() -> World:
     return _WORLD[0]
 
 
+@contextmanager
+def scripted_plans(seed: int | None):
+    """Decoupled speculation's plans drawn at random (`seed`): every plan (Alg. 1's, each drain plan) a random mode
+    and window, and a random subset of the rows their own (Alg. 2's reconfiguration, the drain plan's per-row
+    windows). The plans decide drafts only, so any sequence of them must give the same tokens; the timings-driven
+    plans of a tiny model on a shared CPU reach few of these sequences (a plan of no speculation followed by one
+    that drafts, in a call that drains, wrote drafts past the reserved KV slots)."""
+    if seed is None:
+        yield
+        return
+    rng = random.Random(seed)
+
+    def one(w_max: int) -> Plan:
+        return Plan(rng.choice([COUPLED, DECOUPLED]), rng.choice([0, 0, rng.randint(1, w_max)]), 1.0)
+
+    def some_rows(keys, w_max: int) -> dict:
+        return {k: one(w_max) for k in keys if rng.random() < 0.5}
+
+    def drain_rows(times, rows, w_max):
+        base = one(w_max)  # the drain plan: every row its own window up to the batch plan's, in its mode
+        return base, {k: Plan(base.mode, rng.randint(0, base.window), 1.0) for k in rows}
+
+    with patch.object(decoupled, "plan", lambda times, p, b, w_max: one(w_max)), \
+            patch.object(decoupled, "reconfigure", lambda times, base, acc, w_max, b: some_rows(acc, w_max)), \
+            patch.object(decoupled, "drain_rows", drain_rows):
+        yield
+
+
 def run_case(case, model=None) -> None:
     """Build the engine of `case`, make its calls, check every invariant after each. `model`: the model to run
     instead of the world's (a fresh `tiny_model(case.arch)` has the same weights, so the same references)."""
@@ -296,9 +334,10 @@ def run_case(case, model=None) -> None:
     config = case.engine_config(w.draft)
     engine = RolloutEngine(model, config)
     for call in case.calls:
-        if call.fault_at is not None:
-            interrupted(model, engine, call)
-        result = engine.generate(call.prompts, call.num_generations, call.sampling)
+        with scripted_plans(case.plan_seed):
+            if call.fault_at is not None:
+                interrupted(model, engine, call)
+            result = engine.generate(call.prompts, call.num_generations, call.sampling)
         check_call(model, engine, call, result, w.reference(case.arch, call))
 
 
