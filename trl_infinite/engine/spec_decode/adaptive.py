@@ -129,7 +129,7 @@ class CostModel:
         return self.coef is not None and self.plain_obs > 0 and self.draft_obs > 0
 
     def time(self, batch: int, drafts: int) -> float:
-        return max(sum(c * x for c, x in zip(self.coef, features(batch, drafts))), 1e-9)
+        return max(sum(c * x for c, x in zip(self.coef, features(batch, drafts), strict=True)), 1e-9)
 
     def gamma(self, batch: int, default: float = 0.1) -> float:
         """Cost of one draft token relative to one sample's share of a plain decode step."""

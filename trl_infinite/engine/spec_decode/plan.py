@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adaptive import AffineFit
+from .adaptive import AffineFit, features
 
 COUPLED, DECOUPLED = "coupled", "decoupled"
 
@@ -78,8 +78,7 @@ class StepTimes:
     draft: tuple[float, float, float]
 
     def verify_time(self, b: float, drafts: float) -> float:
-        v0, v1, v2, v3 = self.verify
-        return max(v0 + v1 * b + v2 * drafts + (v3 if drafts > 0 else 0.0), 1e-9)
+        return max(sum(c * x for c, x in zip(self.verify, features(b, drafts), strict=True)), 1e-9)
 
     def draft_time(self, b: float, w: int) -> float:
         if w <= 0 or b <= 0:
