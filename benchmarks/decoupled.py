@@ -26,6 +26,13 @@ below the core count; the drafter thread needs a free core); the other columns a
 `ci_coverage` is its coverage, >= 0.95 from 6 repetitions on): the calls of one repetition run back to back, so the
 ratio cancels the load that drifts between repetitions, which the medians of each mode do not.
 
+`--forced-windows N ...`: two more modes per N, `coupled-wN` and `decoupled-wN`, that speculate at every step with
+window N whatever the plan would say (every row drafts N tokens; decoupled-wN drafts them ahead on the drafter thread
+at every step). They bound what any window could give on this machine, and time the drafter thread itself
+(`decoupled-wN` against `coupled-wN` in `wall_vs_coupled`: the same windows, drafted ahead instead of before the
+forward). Their `sim_tok_s`: the replay with the same fixed window (decoupled only; the replay's coupled mode is the
+controller's best window).
+
 Drafters: `--drafter suffix` (the group's suffix tree: nearly free drafting, so the plan is expected to keep coupled
 execution) or `--drafter draft_model` (a truncated SmolLM2, its first `--draft-layers` layers with the final norm and
 head: costly drafting, the case decoupled execution is for).
@@ -168,16 +175,26 @@ def paired_ratio(walls: list[float], base: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+def forced_mode(mode: str) -> tuple[str, int | None]:
+    """`"coupled-w2"` -> `("coupled", 2)`: a mode of `--forced-windows`; a planned mode -> `(mode, None)`."""
+    base, _, w = mode.partition("-w")
+    return base, int(w) if w else None
+
+
 def engine_config(args, mode: str, b: int, draft, forced: bool = False) -> EngineConfig:
-    """The engine of one mode. `forced`: speculation at every step whatever the timings (no adaptive controller;
-    decoupled execution with the full window instead of the TGS plan), for `decoupled_lossless.py`."""
+    """The engine of one mode (`none`, `coupled`, `decoupled`, or a forced one, `coupled-wN` / `decoupled-wN`).
+    `forced` (and every forced mode): speculation at every step whatever the timings (no adaptive controller, every
+    row drafting the full window; decoupled execution with that window drafted ahead instead of the TGS plan), with
+    window N for a forced mode, `--num-tokens` otherwise (`decoupled_lossless.py`)."""
+    mode, window = forced_mode(mode)
+    forced = forced or window is not None
+    k = window or args.num_tokens
     spec = {} if mode == "none" else dict(
-        speculative_method=args.drafter, speculative_num_tokens=args.num_tokens,
+        speculative_method=args.drafter, speculative_num_tokens=k,
         speculative_draft_model=draft if args.drafter == "draft_model" else None,
         speculative_decoupled=mode == "decoupled")
     if forced and mode != "none":
-        spec.update(speculative_adaptive=False,
-                    speculative_draft_window=args.num_tokens if mode == "decoupled" else None)
+        spec.update(speculative_adaptive=False, speculative_draft_window=k if mode == "decoupled" else None)
     return EngineConfig(kv_cache_tokens=args.kv_tokens, block_size=16, sampling_mode="full_group",
                         max_active_sequences=b, **spec)
 
@@ -202,12 +219,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="repetitions per batch size, the three modes interleaved (each runs first in turn, fresh "
                          "engines each time); wall_s / cpu_s are the medians, wall_range the spread")
+    ap.add_argument("--forced-windows", type=int, nargs="*", default=[],
+                    help="also run coupled-wN and decoupled-wN for each N: speculation at every step with window N "
+                         "whatever the plan would say (the bound on what any window gives; decoupled-wN drafts on the "
+                         "drafter thread at every step)")
     ap.add_argument("--json", default=None, help="write the run as JSON (and the markdown beside it)")
     args = ap.parse_args()
     if sorted(args.order) != sorted(MODES):
         ap.error(f"--order must name each of {list(MODES)} once")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if any(w < 1 for w in args.forced_windows):
+        ap.error(f"--forced-windows must be >= 1, got {args.forced_windows}")
+    modes = list(args.order) + [f"{m}-w{w}" for w in args.forced_windows for m in ("coupled", "decoupled")]
     torch.set_num_threads(args.threads)
     device = pick_device("cpu")
     model, tok = load_smollm2()
@@ -223,14 +247,15 @@ def main() -> None:
     for b in args.batches:
         g = args.group_size
         prompts = gsm8k_train_prompts(tok, max(1, b // g))
-        walls: dict[str, list[float]] = {m: [] for m in MODES}
-        cpus: dict[str, list[float]] = {m: [] for m in MODES}
+        walls: dict[str, list[float]] = {m: [] for m in modes}
+        cpus: dict[str, list[float]] = {m: [] for m in modes}
         loads: list[float] = []
-        same: dict[str, list[str]] = {m: [] for m in MODES}
-        verifies: dict[str, list[int]] = {m: [] for m in MODES}
+        same: dict[str, list[str]] = {m: [] for m in modes}
+        verifies: dict[str, list[int]] = {m: [] for m in modes}
         runs = {}
         for rep in range(args.repeats):
-            order = args.order[rep % 3:] + args.order[: rep % 3]  # interleaved: each mode first in turn
+            r = rep % len(modes)
+            order = modes[r:] + modes[:r]  # interleaved: each mode first in turn
             reps = {}
             for mode in order:
                 engine = RolloutEngine(model, engine_config(args, mode, b, draft))
@@ -244,15 +269,16 @@ def main() -> None:
                 verifies[mode].append(out.stats.verify_steps)
                 print(f"b={b} rep {rep} {mode}: {reps[mode][1]:.1f}s wall, {reps[mode][2]:.1f}s cpu, load "
                       f"{loads[-1]:.2f}", file=sys.stderr, flush=True)
-            for m in MODES:
+            for m in modes:
                 same[m].append(check_same(model, prompts, g, sp, m, reps[m][0], reps["none"][0]))
             runs = reps  # the columns other than wall / cpu: the last repetition
         ref = runs["none"][0].completion_ids
         base_speed = None
-        fitted = [m for m in ("decoupled", "coupled") if runs[m][3].speculator.step_times() is not None]
-        paired = {(m, base): paired_ratio(walls[m], walls[base])
-                  for m, base in (("coupled", "none"), ("decoupled", "none"), ("decoupled", "coupled"))}
-        for mode in MODES:
+        fitted = [m for m in ("decoupled", "coupled", *modes[3:]) if runs[m][3].speculator.step_times() is not None]
+        pairs = [(m, "none") for m in modes if m != "none"] + [("decoupled", "coupled")] + \
+            [(f"decoupled-w{w}", f"coupled-w{w}") for w in args.forced_windows]
+        paired = {(m, base): paired_ratio(walls[m], walls[base]) for m, base in pairs}
+        for mode in modes:
             out, _, _, engine = runs[mode]
             wall, cpu = statistics.median(walls[mode]), statistics.median(cpus[mode])
             s = out.stats
@@ -263,23 +289,27 @@ def main() -> None:
                                    prompt_index=i, extra={"acceptance": acceptance_from_stats(extra, i, g)})
                        for i, p in enumerate(prompts)]
             sim_speed = None
-            if times is not None:
-                replay = SpecReplay(times, mode=mode, num_tokens=args.num_tokens, seed=args.seed)
+            base_mode, window = forced_mode(mode)
+            if times is not None and not (window is not None and base_mode == "coupled"):  # the sim's coupled
+                # mode is the controller's best window, not a forced one
+                replay = SpecReplay(times, mode=base_mode, num_tokens=window or args.num_tokens, seed=args.seed,
+                                    draft_window=window)
                 sim = simulate_speculative(records, SimConfig(engine=engine_config(args, "none", b, None),
                                                               prompts_per_call=len(prompts)), replay)
                 call = sim.calls[0]
                 sim_speed = call.generated_tokens / call.extra["sim_seconds"]
             speed = s.generated_tokens / wall
             base_speed = base_speed or speed
-            plan = (f"{s.extra['spec_plan_mode']} w={s.extra['spec_plan_window']}"
-                    if "spec_plan_mode" in s.extra else ("-" if mode != "decoupled" else "none made"))
+            plan = (f"{s.extra['spec_plan_mode']} w={s.extra['spec_plan_window']}" if "spec_plan_mode" in s.extra
+                    else f"forced w={window}" if window is not None else "-" if mode != "decoupled" else "none made")
             table.add(batch=b, mode=mode, same_as_none=", ".join(sorted(set(same[mode]))), wall_s=wall,
                       wall_range=f"{min(walls[mode]):.3g}-{max(walls[mode]):.3g}", cpu_s=cpu,
                       load=f"{min(loads):.2f}-{max(loads):.2f}", decode_fwd=s.decode_steps,
                       verify_fwd=s.verify_steps, verify_fwd_reps=" ".join(map(str, verifies[mode])),
                       accept_len=s.mean_acceptance_length, plan=plan, tok_s=speed,
                       sim_tok_s=sim_speed, speedup_vs_none=speed / base_speed,
-                      wall_vs_none=paired.get((mode, "none")), wall_vs_coupled=paired.get((mode, "coupled")),
+                      wall_vs_none=paired.get((mode, "none")),
+                      wall_vs_coupled=paired.get((mode, "coupled" if window is None else f"coupled-w{window}")),
                       ci_coverage=median_ci(walls[mode])[2])
     write_results(args.json, header, table, {"args": vars(args)})
 
