@@ -274,3 +274,43 @@ def _opaque(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(4)
         out.copy_(x + 1)
     return out
+
+
+def test_graphs_outlive_the_pool_released_between_calls():
+    """A training loop: rollouts of different sizes (the pool sized per call, released after each), an in-place
+    optimizer step between them. The pool keeps its addresses (`KVCachePool(stable=True)`), so each bucket is
+    captured once over the whole loop (`RolloutStats.graph_captures` 0 after the first calls), the memory goes back
+    after each call, and every call stays token-identical to `model.generate` with the updated weights."""
+    model = tiny_model("llama")
+    engine, emu = _engine(model, kv_cache_tokens=1024)
+    pool = engine.pool
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    captures, addresses = [], set()
+    for step, batch in enumerate([PROMPTS, PROMPTS[:1], PROMPTS, [[7, 7, 3, 1, 2, 9, 4, 4, 5, 6, 1], [3]]] * 2):
+        result = engine.generate(batch, 3, sampling)
+        assert result.completion_ids == [reference_greedy(model, p, 8, []) for p in batch for _ in range(3)]
+        assert not pool.allocated and pool.allocated_bytes == 0  # released: the training step has the memory
+        captures.append(result.stats.graph_captures)
+        addresses.add(tuple(t.data_ptr() for t in pool._views))
+        model.zero_grad()
+        torch.manual_seed(step)
+        model(torch.tensor([batch[0]])).logits.square().mean().backward()
+        optimizer.step()  # in place: the parameters keep their storage
+    assert captures[0] > 0 and sum(captures[4:]) == 0, captures  # the second pass over the sizes captures nothing
+    assert engine.decoder.graphs.recaptures == 0
+    assert len(addresses) == 1 and not emu.counts["moved_storage"]
+
+
+def test_a_pool_allocated_per_call_recaptures_and_says_so(monkeypatch):
+    """Without fixed addresses (a device that cannot reserve them) the pool moves between calls of other sizes:
+    the next call captures its graphs again, and `graph_captures` counts it."""
+    model = tiny_model("llama")
+    monkeypatch.setattr("trl_infinite.engine.kv_pool.reserve_range", lambda sizes, device: None)  # as declined
+    engine, _ = _engine(model, kv_cache_tokens=1024)
+    assert not engine.pool.stable
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    first = engine.generate(PROMPTS, 3, sampling).stats.graph_captures
+    engine.generate(PROMPTS[:1], 1, sampling)  # a smaller pool
+    again = engine.generate(PROMPTS, 3, sampling)
+    assert first > 0 and again.stats.graph_captures > 0

@@ -193,3 +193,62 @@ def test_pool_layout_with_per_layer_widths():
     pool.k_caches[0].zero_()
     pool.copy_in([2, 0], saved)  # back into other blocks: block 0's content lands in block 2, block 1's in 0
     assert pool.k_caches[0][[35, 1]].eq(1.0).all() and pool.k_caches[0].sum() == 2 * 4 * 12
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_reserved_range_keeps_addresses_and_gives_memory_back():
+    """`HostReservedRange`: tensors over each part's whole range at fixed addresses; `map` backs a prefix zero-filled
+    (keeping what is backed), `unmap` returns the pages to the OS (resident memory drops) and the next `map` reads
+    zeros again at the same addresses."""
+    from trl_infinite.engine.kv_memory import reserve_range
+
+    mib = 1 << 20
+    region = reserve_range([64 * mib, 3 * mib + 5], torch.device("cpu"))
+    assert region.sizes[1] % region.granularity == 0 and region.offsets[1] == 64 * mib
+    a, b = region.tensor(0, torch.float32, (16 * mib // 4, 4)), region.tensor(1, torch.bfloat16, (1000, 3))
+    addresses = (a.data_ptr(), b.data_ptr())
+    base = _rss_bytes()
+    region.map([48 * mib, 100])
+    a[: 12 * mib // 4].fill_(1.0)  # 48 MiB written
+    b[:10].fill_(2.0)
+    assert _rss_bytes() - base > 40 * mib and region.mapped_bytes == 48 * mib + region.granularity
+    region.map([64 * mib, 100])  # grows in place: the backed part keeps its contents
+    assert a[: 12 * mib // 4].eq(1.0).all() and a[12 * mib // 4 :].eq(0).all()
+    region.unmap()
+    assert region.mapped_bytes == 0 and _rss_bytes() - base < 8 * mib
+    region.map([64 * mib, 100])
+    assert (a.data_ptr(), b.data_ptr()) == addresses and a.eq(0).all() and b[:10].eq(0).all()
+
+
+def test_stable_pool_keeps_its_addresses_across_sizes_and_grows_in_place():
+    """`KVCachePool(stable=True)`: block 0 is the null block, blocks 1..n usable; pools of other sizes (per call)
+    and released pools keep the K/V addresses; the prefix cache's growth keeps every block's contents where it is;
+    a byte budget includes the granularity rounding."""
+    from trl_infinite.engine.kv_pool import KVLayout
+
+    layout = KVLayout.uniform(2, 2, 8)
+    pool = KVCachePool(layout, EngineConfig(kv_cache_tokens=256, block_size=4, prefix_cache=True), torch.float32,
+                       torch.device("cpu"), allocate=False, stable=True)
+    pool.open(5)
+    addresses = [t.data_ptr() for t in (*pool.k_caches, *pool.v_caches)]
+    assert pool.null_block == 0 and pool.num_blocks == 5 and pool.allocator.allocate(5) == [1, 2, 3, 4, 5]
+    pool.k_caches[1][4 * 3 : 4 * 4] = 7.0  # block 3
+    pool._grow(9, staged=False)  # what `open` does for a held pool with cached prefixes
+    assert pool.num_blocks == 9 and pool.k_caches[1][12:16].eq(7.0).all()
+    assert sorted(pool.allocator.allocate(4)) == [6, 7, 8, 9]
+    pool.release()
+    assert pool.allocated_bytes == 0 and not pool.allocated
+    pool.open(30)
+    assert [t.data_ptr() for t in (*pool.k_caches, *pool.v_caches)] == addresses
+    assert pool.k_caches[1][: 31 * 4].eq(0).all()  # backed anew: zeros
+    assert pool.budget_blocks() == 63  # 256 tokens of 4 = 64 blocks, one the null block
+    byte_pool = KVCachePool(layout, EngineConfig(kv_cache_gb=1e-4, block_size=4), torch.float32,
+                            torch.device("cpu"), allocate=False, stable=True)
+    byte_pool.open(10**6)  # everything the budget gives
+    assert byte_pool.allocated_bytes <= 1e-4 * 1e9

@@ -131,3 +131,18 @@ def test_bf16_autocast_trains_through_the_engine(tmp_path, tokenizer, dataset):
     log = trainer.state.log_history[0]
     assert "rollout/decode_steps" in log and torch.isfinite(torch.tensor(log["loss"]))
     assert trainer.uses_engine and trainer._engine.pool.dtype == torch.bfloat16
+
+
+def test_decode_graphs_are_captured_once_over_a_training_run(tmp_path, tokenizer, dataset):
+    """CUDA graphs (through the CPU capture emulation) over four training steps, the KV pool released after each
+    rollout (the default): graphs outlive the release, so only the first rollouts capture
+    (`rollout/graph_captures`), and the trained parameters keep their storage (no recapture after a step)."""
+    from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
+
+    with emulate_cuda_graphs() as emu:
+        trainer = make_trainer(tmp_path, tokenizer, dataset, max_steps=4, rollout_cuda_graphs=True,
+                               rollout_sampling_mode="fixed_slot", rollout_max_active_sequences=4)
+        trainer.train()
+    captures = [h["rollout/graph_captures"] for h in trainer.state.log_history if "loss" in h]
+    assert len(captures) == 4 and captures[0] > 0 and captures[2:] == [0, 0], captures
+    assert emu.counts["replays"] > 0 and not emu.counts["moved_storage"]

@@ -26,21 +26,23 @@ def pool_size(need_blocks: int) -> int:
 
 
 class BlockAllocator:
-    """Fixed set of `num_blocks` blocks; `allocate` never goes past it (it raises, the scheduler checks first).
+    """Fixed set of `num_blocks` blocks, ids `first_id .. first_id + num_blocks - 1` (a stable KV pool keeps id 0 for
+    its null block); `allocate` never goes past it (it raises, the scheduler checks first).
 
     With a `PrefixCache`, a block whose last reference goes while it is cached becomes *evictable* instead of free:
     it still counts as free (`num_free`, `can_allocate`), `share` takes it back for a new reader, and `allocate`
     hands it out (dropping its cache entry), least recently used first, only when no never-cached block is left."""
 
-    def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None):
+    def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None, first_id: int = 0):
         if num_blocks < 1:
             raise ValueError(f"the KV pool must hold at least one block, got num_blocks={num_blocks}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.cache = cache
-        self._free: deque[int] = deque(range(num_blocks))
+        self.first_id = first_id
+        self._free: deque[int] = deque(range(first_id, first_id + num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self._refs = [0] * num_blocks
+        self._refs = [0] * (first_id + num_blocks)  # indexed by block id
         self.peak_used = 0
         self._used_sum = 0  # sum over `sample_usage` calls, for mean utilisation
         self._samples = 0
@@ -107,10 +109,11 @@ class BlockAllocator:
 
     def grown(self, num_blocks: int) -> BlockAllocator:
         """An allocator over `num_blocks >= self.num_blocks` blocks whose first `self.num_blocks` keep their
-        references and cache entries (the pool's tensors grew with their contents copied); the rest are free."""
-        out = BlockAllocator(num_blocks, self.block_size, self.cache)
-        out._refs[: self.num_blocks] = self._refs
-        out._free = deque([*self._free, *range(self.num_blocks, num_blocks)])
+        references and cache entries (the pool's tensors grew with their contents kept); the rest are free."""
+        first = self.first_id
+        out = BlockAllocator(num_blocks, self.block_size, self.cache, first)
+        out._refs[: len(self._refs)] = self._refs
+        out._free = deque([*self._free, *range(first + self.num_blocks, first + num_blocks)])
         out._evictable = OrderedDict(self._evictable)
         return out
 

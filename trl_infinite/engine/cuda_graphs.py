@@ -117,6 +117,11 @@ def set_emulator(runtime: GraphRuntime | None) -> GraphRuntime | None:
     return previous
 
 
+def graphs_available(device: torch.device) -> bool:
+    """Whether `graph_runtime(device)` gives a runtime (CUDA, or the emulator while it is installed)."""
+    return device.type == "cuda" or _emulator is not None
+
+
 def graph_runtime(device: torch.device) -> GraphRuntime | None:
     """The graph runtime for `device`: CUDA graphs on CUDA, the installed emulator elsewhere, else None."""
     if device.type == "cuda":

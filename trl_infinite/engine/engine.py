@@ -12,6 +12,7 @@ from .batch import NonFiniteLogitsError
 from .block_manager import blocks_for, pool_size
 from .call import RolloutCall, call_blocks, sampling_mode
 from .config import EngineConfig, SamplingParams
+from .cuda_graphs import graphs_available
 from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
 from .history import PromptHistory, remember_visits
@@ -63,9 +64,11 @@ class RolloutEngine:
         if self.device.type == "cuda" and decode.cuda_graphs:
             reserve = static_step_bytes(model.config, graph_rows)
         # sized for each call from what it needs (never above the budget) and released after it unless
-        # `kv_cache_release=False` (`_generate`)
+        # `kv_cache_release=False` (`_generate`); at fixed addresses where decode steps are captured, so the graphs
+        # outlive the release (`kv_memory.py`)
+        stable = decode.cuda_graphs and graphs_available(self.device)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
-                                reserve_bytes=reserve, allocate=False)
+                                reserve_bytes=reserve, allocate=False, stable=stable)
         self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel,
                                   capture_models=self.support.capture_models)

@@ -8,6 +8,7 @@ import torch
 
 from .block_manager import BlockAllocator
 from .config import EngineConfig
+from .kv_memory import ReservedRange, reserve_range
 from .prefix_cache import PrefixCache
 
 GB = 1e9
@@ -67,13 +68,25 @@ class KVCachePool:
     With `prefix_cache` on, the pool's allocator carries a `PrefixCache`: full blocks of earlier prompts (and
     completions) stay findable until their blocks are needed (`BlockAllocator`). The entries outlive a call only
     while the pool is kept (`kv_cache_release=False`, or the engine's `keep_pool`): a pool that must grow keeps
-    them (contents copied, through host memory where old and new tensors would not fit in the budget together)."""
+    them (contents copied, through host memory where old and new tensors would not fit in the budget together).
+
+    `stable=True` (the engine's choice where decode steps are captured in graphs): the K and V tensors keep their
+    addresses for the pool's life (`kv_memory.ReservedRange`: reserved once at the largest size the budget allows,
+    backed with memory per call and given back by `release`), so a captured decode step replays across calls
+    instead of being captured again. The null block is then block 0 and the usable blocks 1..num_blocks: the
+    backed part of each tensor is one stretch from its start, which grows in place (`_grow` copies nothing)."""
 
     def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0,
-                 allocate: bool = True):
+                 allocate: bool = True, stable: bool = False):
         """`reserve_bytes`: taken out of a `kv_cache_fraction` budget first (the captured decode step's memory).
-        `allocate=False`: no tensors until `open` sizes the pool for a call (the engine's way)."""
+        `allocate=False`: no tensors until `open` sizes the pool for a call (the engine's way). `stable`: fixed
+        addresses (see the class docstring; falls back to per-call allocation, with a warning, where the device
+        cannot reserve addresses)."""
         self.reserve_bytes = reserve_bytes
+        self.stable = stable
+        self._range: ReservedRange | None = None  # the reserved addresses (stable pools, from the first allocation)
+        self._views: list[torch.Tensor] = []  # K tensors then V tensors over the whole reserved range
+        self._capacity = 0  # usable blocks the reserved range holds
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
         self.num_layers = self.layout.num_layers
         self.block_size = config.block_size
@@ -97,18 +110,29 @@ class KVCachePool:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of the K and V tensors held now (null block included; 0 when released)."""
+        """Bytes of the K and V tensors held now (null block included; 0 when released): a stable pool's backed
+        memory (granularity rounding included)."""
+        if self._range is not None:
+            return self._range.mapped_bytes
         return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+
+    @property
+    def first_block(self) -> int:
+        """Id of the first usable block: 1 in a stable pool (block 0 is its null block), else 0."""
+        return 1 if self._range is not None else 0
 
     def budget_blocks(self) -> int:
         """Usable blocks the budget allows now (the null block taken out). A `kv_cache_fraction` budget is read
         from the memory free at this moment plus what PyTorch's allocator holds unused and this pool's own tensors,
         which would be freed first (so the pool follows the memory training leaves, call by call)."""
-        return self._num_blocks(self.config) - 1
+        n = self._num_blocks(self.config) - 1
+        return min(n, self._capacity) if self._range is not None else n
 
     def open(self, need_blocks: int) -> None:
         """Size the pool for one call: `min(need_blocks, budget)` usable blocks, all free. A held pool at least that
         large is reused (fresh accounting); otherwise it is allocated anew (zeroed)."""
+        if self.stable and self._range is None:
+            self._reserve()  # first: a byte budget then leaves room for the reservation's rounding
         budget = self.budget_blocks()
         blocks = max(1, min(int(need_blocks), budget))
         if self.allocated and self.num_blocks < blocks and self.prefix_cache:
@@ -122,6 +146,8 @@ class KVCachePool:
         """Free the K and V tensors (the memory goes back to the allocator, e.g. for the training step); every
         cached prefix goes with them."""
         self.k_caches, self.v_caches = [], []
+        if self._range is not None:
+            self._range.unmap()
         self.num_blocks = 0
         self.allocator = BlockAllocator(1, self.block_size)
         if self.prefix_cache is not None:
@@ -131,6 +157,10 @@ class KVCachePool:
         """Larger tensors holding the old blocks' contents at the same ids (the old null block becomes usable).
         `staged`: old and new tensors would not fit in the budget together, so the old contents wait in host memory
         while the pool is re-allocated."""
+        if self._range is not None:  # the backed stretch grows in place: nothing moves
+            self._map(usable_blocks)
+            self.allocator = self.allocator.grown(usable_blocks)
+            return
         old = [*self.k_caches, *self.v_caches]
         old_slots, allocator = self.num_blocks * self.block_size, self.allocator
         if staged:
@@ -142,13 +172,54 @@ class KVCachePool:
         del old
         self.allocator = allocator.grown(usable_blocks)
 
+    def _shapes(self, usable_blocks: int) -> list[tuple[int, int, int]]:
+        """[slots, heads, width] of every K tensor, then every V tensor, for `usable_blocks` plus the null block."""
+        slots, lay = (usable_blocks + 1) * self.block_size, self.layout
+        return ([(slots, h, d) for h, d in zip(lay.num_kv_heads, lay.k_dims)]
+                + [(slots, h, d) for h, d in zip(lay.num_kv_heads, lay.v_dims)])
+
+    def _map(self, usable_blocks: int) -> None:
+        """Back a stable pool's first `usable_blocks` + 1 blocks (null block first) and point the caches at them."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self._range.map([s * h * d * elem for s, h, d in self._shapes(usable_blocks)])
+        self.num_blocks = usable_blocks
+        lay = self.layout
+        self.k_caches, self.v_caches = self._views[: lay.num_layers], self._views[lay.num_layers :]
+
+    def _reserve(self) -> None:
+        """A stable pool's address range, once, at the largest size its budget can ever give (`capacity_blocks`)."""
+        capacity = self.capacity_blocks()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        shapes = self._shapes(capacity)
+        self._range = reserve_range([s * h * d * elem for s, h, d in shapes], self.device)
+        if self._range is None:  # logged: allocated per call instead
+            self.stable = False
+            return
+        self._views = [self._range.tensor(i, self.dtype, shape) for i, shape in enumerate(shapes)]
+        self._capacity = capacity
+
+    def capacity_blocks(self) -> int:
+        """Usable blocks a stable pool reserves addresses for: the budget's, or for a `kv_cache_fraction` budget on
+        CUDA the fraction of the device's whole memory (no call can be given more)."""
+        kv = self.config.kv_cache
+        if self.device.type == "cuda" and kv.tokens is None and kv.gb is None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            return max(1, int(total * kv.fraction // self.block_bytes) - 1)
+        return self.budget_blocks()
+
     def _allocate(self, usable_blocks: int) -> None:
+        if self.stable and self._range is None:
+            self._reserve()
+        if self._range is not None:
+            usable_blocks = min(usable_blocks, self._capacity)
+            self.null_block = 0
+            self._map(usable_blocks)
+            self.allocator = BlockAllocator(usable_blocks, self.block_size, self.prefix_cache, first_id=1)
+            return
         self.num_blocks = usable_blocks
         self.null_block = usable_blocks
-        slots = (usable_blocks + 1) * self.block_size
+        shapes = self._shapes(usable_blocks)
         lay = self.layout
-        shapes = [(slots, h, d) for h, d in zip(lay.num_kv_heads, lay.k_dims)]
-        shapes += [(slots, h, d) for h, d in zip(lay.num_kv_heads, lay.v_dims)]
         # One allocation carved into per-layer views: freed as a whole (on CPU a block this large is its own mapping,
         # given back to the OS at once; many per-layer tensors would stay in the heap and fragment it)
         storage = torch.zeros(sum(s * h * d for s, h, d in shapes), dtype=self.dtype, device=self.device)
@@ -170,11 +241,12 @@ class KVCachePool:
         if kv.tokens is not None:
             n, field = kv.tokens // self.block_size, kv.flag("tokens")
         elif kv.gb is not None:
-            n, field = int(kv.gb * GB // self.block_bytes), kv.flag("gb")
+            n, field = int((kv.gb * GB - self._rounding_bytes()) // self.block_bytes), kv.flag("gb")
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            n = int(((free + cached + self.allocated_bytes) * kv.fraction - self.reserve_bytes) // self.block_bytes)
+            n = int(((free + cached + self.allocated_bytes) * kv.fraction - self.reserve_bytes
+                     - self._rounding_bytes()) // self.block_bytes)
             field = kv.flag("fraction")
         else:
             n, field = kv.cpu_tokens // self.block_size, kv.flag("cpu_tokens")
@@ -185,6 +257,10 @@ class KVCachePool:
             )
         return n
 
+    def _rounding_bytes(self) -> int:
+        """What a stable pool's backing may add to its blocks' bytes (one granule per tensor), inside byte budgets."""
+        return self._range.overhead_bytes() if self._range is not None else 0
+
     def reset(self, keep_cache: bool = True) -> None:
         """Every block unreferenced, for a new call. Cached blocks stay findable when `keep_cache` and nothing is
         referenced (a call that ended normally); otherwise the cache is dropped."""
@@ -193,7 +269,7 @@ class KVCachePool:
             return
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-        self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.prefix_cache)
+        self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.prefix_cache, self.first_block)
 
     def drop_cache(self) -> None:
         """Forget every cached prefix (the weights changed)."""
@@ -212,8 +288,9 @@ class KVCachePool:
     def zero(self) -> None:
         """Zero every cached key and value (after a call whose values were not finite); no prefix stays cached."""
         self.drop_cache()
+        slots = (self.num_blocks + 1) * self.block_size  # what is backed (a stable pool's tensors reach further)
         for t in (*self.k_caches, *self.v_caches):
-            t.zero_()
+            t[:slots].zero_()
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks, device=self.device)

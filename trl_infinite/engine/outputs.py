@@ -40,6 +40,7 @@ class RolloutStats:
     mean_acceptance_length: float = 0.0  # tokens emitted per sample per verification forward (bonus included)
     host_time_s: float = 0.0  # host work around the forwards: scheduling, postprocess, decode-batch upload, read-back
     decode_forward_s: float = 0.0  # time in decode forwards (sampling included; on CUDA up to the token read-back)
+    graph_captures: int = 0  # decode-step graphs captured during the call (0 once every bucket in use is captured)
     # |first length prediction - true length| of the samples scored in this call, and the same for the constant-mean
     # predictor (the 'history' predictor only)
     prediction_errors: list[float] = field(default_factory=list)

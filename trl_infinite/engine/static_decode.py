@@ -183,10 +183,14 @@ class StaticDecoder:
         row_of = self.rows.update(seqs, batch.grown, batch.rebuilt)
         n = len(seqs)
         padded = next(b for b in bucket_sizes(self.rows.capacity) if b >= n)
-        captured = self.graphs is not None and self.graphs.captures(padded)
+        captured = self.graphs is not None and self.graphs.covers(padded)
         args, key = self._args(padded, captured)
         t1 = time.perf_counter()
-        out = self.graphs.replay(key, args, self._run, self._record) if captured else None
+        out = None
+        if captured:
+            before = self.graphs.captures
+            out = self.graphs.replay(key, args, self._run, self._record)
+            stats.graph_captures += self.graphs.captures - before
         packed, hidden = out if out is not None else self._run(args)  # [2 or 3, padded] float64
         if packed.is_cuda:
             host = self._host_buffer(packed.numel()).view(packed.shape)

@@ -5,7 +5,9 @@ Rules (each one exercised in CI through `graph_emulation`):
   (input tokens and positions, seen marks) and with the KV pool slots it writes saved and restored, so the replay
   after the capture is the rows' real next step;
 - a graph replays on the buffers it was captured with: each replay checks that the step's arguments still have the
-  addresses of the capture, and recaptures otherwise (`recaptures`);
+  addresses of the capture, and recaptures otherwise (`recaptures`); the KV pool keeps its addresses across calls
+  (`KVCachePool(stable=True)`), so graphs outlive the pool's release between rollouts; `captures` counts every
+  capture (`RolloutStats.graph_captures` per call);
 - every graph's memory comes from the runtime's one private pool; `pool_memory` is read from the pool itself;
 - a step the runtime cannot capture (a host sync or a data-dependent shape inside the model: MoE layers in fp32
   read their expert offsets on the host) turns graphs off for the engine with a warning naming the reason; the
@@ -57,6 +59,7 @@ class StepGraphs:
         self.max_rows = max_rows
         self.graphs: dict[tuple, _Captured] = {}
         self.recaptures = 0
+        self.captures = 0  # graphs captured over the decoder's life
         self.failure: str | None = None  # why graphs were turned off
         self._memory = PoolMemory()
 
@@ -64,7 +67,7 @@ class StepGraphs:
     def enabled(self) -> bool:
         return self.runtime is not None
 
-    def captures(self, rows: int) -> bool:
+    def covers(self, rows: int) -> bool:
         """Whether a step padded to `rows` rows runs as a graph."""
         return self.runtime is not None and rows <= self.max_rows
 
@@ -104,6 +107,7 @@ class StepGraphs:
     def _capture(self, args: Args, run: Callable[[Args], Any], record: Callable[[Args], Any]) -> _Captured:
         self._warm_up(args, run)
         graph, outputs = self.runtime.capture(lambda: record(args))
+        self.captures += 1
         self._memory = self.runtime.pool_memory()
         return _Captured(graph, outputs, args)
 

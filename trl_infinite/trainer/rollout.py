@@ -140,6 +140,7 @@ def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
         "rollout/tail_decode_steps": float(stats.tail_decode_steps),
         "rollout/offloaded_blocks": float(stats.offloaded_blocks),
         "rollout/parks": float(stats.parks),
+        "rollout/graph_captures": float(stats.graph_captures),
     }
     if stats.verify_steps:  # speculative decoding ran
         out["rollout/mean_acceptance_length"] = stats.mean_acceptance_length
