@@ -42,7 +42,8 @@ _HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one linear
 # per model type, on top of SIZES
 OVERRIDES: dict[str, dict] = {
     **{t: _MLA_HEADS for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                               "minicpm3", "youtu", "axk1", "axk2", "longcat_flash", "dots3_note", "dots3_note_text")},
+                               "minicpm3", "youtu", "axk1", "axk2", "longcat_flash", "dots3_note", "dots3_note_text",
+                               "sarvam_mla")},
     **{t: _HYBRID for t in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "bamba": dict(attn_layer_indices=[1]),
@@ -55,6 +56,7 @@ OVERRIDES: dict[str, dict] = {
     "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
     "zaya": dict(num_experts_per_tok=1),
     "mamba2": dict(num_heads=8),
+    "musicgen": dict(num_codebooks=1), "musicgen_melody": dict(num_codebooks=1),  # one token stream per sequence
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
     "gemma4_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
@@ -111,7 +113,16 @@ def tiny_config(model_type: str, size: dict | None = None, **overrides):
     accepted = set(inspect.signature(config_cls.__init__).parameters)
     if "text_config" in accepted:
         sub_cls = getattr(config_cls, "sub_configs", {}).get("text_config")
-        if sub_cls is not None and isinstance(sub_cls, type):
+        if sub_cls is not None and isinstance(sub_cls, type) and not getattr(sub_cls, "model_type", ""):
+            # `AutoConfig`: the text config class is the one the config builds by default (its `model_type` key)
+            try:
+                sub_cls = type(config_cls().get_text_config())
+            except Exception:  # noqa: BLE001 -- no default to learn it from: pass no sizes
+                sub_cls = None
+            if sub_cls is not None:
+                kwargs["text_config"] = {**_kwargs_for(sub_cls, sub_cls.model_type, size),
+                                         "model_type": sub_cls.model_type}
+        elif sub_cls is not None and isinstance(sub_cls, type):
             kwargs["text_config"] = _kwargs_for(sub_cls, getattr(sub_cls, "model_type", model_type), size)
     return config_cls(**kwargs)
 
