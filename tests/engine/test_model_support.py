@@ -26,8 +26,12 @@ def _sharpen(model: torch.nn.Module, factor: float) -> torch.nn.Module:
 
 
 def _gemma2(cap: float | None) -> torch.nn.Module:
-    """Gemma2's own cap (50) with q / k weights x40: attention scores reach |s| ~ 90 on these prompts."""
-    return _sharpen(build_tiny_model("gemma2", attn_logit_softcapping=cap, query_pre_attn_scalar=8), 40.0)
+    """Gemma2's own cap (50) with q / k weights x40: attention scores reach |s| ~ 90 on these prompts. Eager
+    attention, so that `model.generate` applies the cap on every release (transformers 5.17 runs Gemma2 with SDPA,
+    which drops `softcap`; 5.24 no longer allows SDPA for it)."""
+    model = build_tiny_model("gemma2", attn_logit_softcapping=cap, query_pre_attn_scalar=8)
+    model.set_attn_implementation("eager")
+    return _sharpen(model, 40.0)
 
 
 def _gpt_oss(sinks: float | None) -> torch.nn.Module:
