@@ -91,6 +91,8 @@ def assert_meets_the_contract(model) -> str:
 
 @pytest.mark.parametrize("model_type", sorted(set(TOKEN_IDENTICAL) | set(REFUSED)))
 def test_long_tail_meets_the_contract(model_type):
+    """Every type of the matrix lists, on the installed release: refused clearly or token-identical (the mainstream
+    `MUST_SERVE` types served); skipped, named, where the release does not have the type."""
     if model_type not in _installed():
         pytest.skip(f"`{model_type}` is not a causal-LM type of transformers {transformers.__version__}")
     verdict = assert_meets_the_contract(build_tiny_model(model_type))
@@ -101,6 +103,30 @@ def test_long_tail_meets_the_contract(model_type):
 def test_mainstream_models_are_listed_as_token_identical():
     """`MUST_SERVE` only names types the matrix found token-identical (so the floor above is checked on them)."""
     assert set(MUST_SERVE) <= set(TOKEN_IDENTICAL)
+
+
+def test_the_contract_check_fails_a_silent_difference_and_an_unclear_refusal(monkeypatch):
+    """The check above is not vacuous: a served model whose reference differs in one token fails it, and refusals
+    that do not name the model type or the vLLM fallback do not match the clear refusal's pattern."""
+    model = build_tiny_model("llama")
+    generate = model.generate
+
+    def off_by_one(input_ids, **kwargs):  # the first new token
+        out = generate(input_ids, **kwargs)
+        first = input_ids.shape[1]
+        out[:, first] = (out[:, first] + 1) % model.config.vocab_size
+        return out
+
+    monkeypatch.setattr(model, "generate", off_by_one)
+    with pytest.raises(AssertionError, match="served, but engine"):
+        assert_meets_the_contract(model)
+    pattern = refusal_pattern("llama")
+    clear = ("The rollout engine cannot run `llama` (LlamaForCausalLM) exactly: it has a mixer. Generate with vLLM "
+             "instead (`use_vllm=True` in the trainer) or with `model.generate`.")
+    assert re.search(pattern, clear)
+    assert not re.search(pattern, clear.replace("`llama`", "`gpt2`"))
+    assert not re.search(pattern, clear.replace("(`use_vllm=True` in the trainer) ", ""))
+    assert not re.search(pattern, "Unsupported model.")
 
 
 def _unknown_types() -> list[str]:

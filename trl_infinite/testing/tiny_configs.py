@@ -156,7 +156,7 @@ _SHRINK_RULES: tuple[tuple[tuple[str, ...], int], ...] = (
     (("window",), 6),
     (("head_dim", "head_size"), 8),
     (("hidden_size", "embed_dim", "d_model", "n_embd"), 32),
-    (("intermediate", "ffn", "inner", "_dim", "_size"), 64),
+    (("intermediate", "ffn", "inner", "channels", "_dim", "_size"), 64),
 )
 
 
