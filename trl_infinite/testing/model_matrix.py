@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -79,6 +80,36 @@ def early_eos(model, ps: list[list[int]]) -> int | None:
         if any(t not in row for row in full):
             return t
     return max(seen, key=seen.get) if seen else None
+
+
+def refusal_pattern(model_type: str) -> str:
+    """A regex for the engine's clear refusal of `model_type`: the type named, a reason, the vLLM fallback."""
+    return rf"cannot run `{re.escape(model_type)}` \(\w+\) exactly: .+ \(`use_vllm=True` in the trainer\)"
+
+
+@dataclass
+class Judgement:
+    """The contract's verdict on one model: `refusal` (the engine's `ValueError` message) or, when it was served,
+    the engine's completions and `model.generate`'s for the same prompts."""
+
+    refusal: str | None = None
+    got: list[list[int]] | None = None
+    want: list[list[int]] | None = None
+
+
+def judge(model, engine_config, ps: list[list[int]], n: int, max_new: int = MAX_NEW) -> Judgement:
+    """Build the engine for `model`; if it raises `ValueError`, return the message; else greedy-decode each of `ps`
+    `n` times through it (`max_new` tokens, no EOS) and return that with `model.generate`'s greedy tokens."""
+    from ..engine import RolloutEngine, SamplingParams
+
+    try:
+        engine = RolloutEngine(model, engine_config)
+    except ValueError as exc:
+        return Judgement(refusal=str(exc))
+    with torch.no_grad():
+        got = engine.generate(ps, n, SamplingParams(max_new_tokens=max_new, temperature=0.0)).completion_ids
+    want = [reference(model, p, None)[:max_new] for p in ps for _ in range(n)]
+    return Judgement(got=got, want=want)
 
 
 def check_model(model_type: str, head_dim: int = SIZES["head_dim"]) -> Row:

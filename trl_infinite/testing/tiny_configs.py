@@ -42,7 +42,8 @@ _HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one linear
 # per model type, on top of SIZES
 OVERRIDES: dict[str, dict] = {
     **{t: _MLA_HEADS for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                               "minicpm3", "youtu", "axk1", "axk2", "longcat_flash", "dots3_note", "dots3_note_text")},
+                               "minicpm3", "youtu", "axk1", "axk2", "longcat_flash", "dots3_note", "dots3_note_text",
+                               "sarvam_mla")},
     **{t: _HYBRID for t in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "bamba": dict(attn_layer_indices=[1]),
@@ -55,6 +56,7 @@ OVERRIDES: dict[str, dict] = {
     "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
     "zaya": dict(num_experts_per_tok=1),
     "mamba2": dict(num_heads=8),
+    "musicgen": dict(num_codebooks=1), "musicgen_melody": dict(num_codebooks=1),  # one token stream per sequence
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
     "gemma4_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
@@ -111,7 +113,16 @@ def tiny_config(model_type: str, size: dict | None = None, **overrides):
     accepted = set(inspect.signature(config_cls.__init__).parameters)
     if "text_config" in accepted:
         sub_cls = getattr(config_cls, "sub_configs", {}).get("text_config")
-        if sub_cls is not None and isinstance(sub_cls, type):
+        if sub_cls is not None and isinstance(sub_cls, type) and not getattr(sub_cls, "model_type", ""):
+            # `AutoConfig`: the text config class is the one the config builds by default (its `model_type` key)
+            try:
+                sub_cls = type(config_cls().get_text_config())
+            except Exception:  # noqa: BLE001 -- no default to learn it from: pass no sizes
+                sub_cls = None
+            if sub_cls is not None:
+                kwargs["text_config"] = {**_kwargs_for(sub_cls, sub_cls.model_type, size),
+                                         "model_type": sub_cls.model_type}
+        elif sub_cls is not None and isinstance(sub_cls, type):
             kwargs["text_config"] = _kwargs_for(sub_cls, getattr(sub_cls, "model_type", model_type), size)
     return config_cls(**kwargs)
 
@@ -131,13 +142,69 @@ def count_params(model_cls, config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# Generic shrinking of size fields `SIZES` does not name (a model type new in a transformers release): by the field's
+# name, in order, the first rule that matches sets an upper bound on an integer field.
+_SHRINK_RULES: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("token_id", "position", "extent", "floor", "seed"), 0),  # ids and positions: left alone
+    (("rank",), 16),
+    (("vocab",), VOCAB),
+    (("experts_per_tok", "topk", "top_k"), 2),
+    (("key_value_heads", "kv_heads"), 2),
+    (("heads",), 4),
+    (("experts",), 4),
+    (("layers",), 2),
+    (("window",), 6),
+    (("head_dim", "head_size"), 8),
+    (("hidden_size", "embed_dim", "d_model", "n_embd"), 32),
+    (("intermediate", "ffn", "inner", "channels", "_dim", "_size"), 64),
+)
+
+
+def _shrink_value(name: str, value):
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    for keys, bound in _SHRINK_RULES:
+        if any(k in name for k in keys):
+            return value if bound == 0 else min(value, bound)
+    return value
+
+
+def _shrink_dict(d: dict) -> dict:
+    out = {}
+    for name, value in d.items():
+        if isinstance(value, dict):
+            out[name] = _shrink_dict(value)
+        else:
+            out[name] = _shrink_value(name, value)
+    return out
+
+
+def shrink_config(config):
+    """`config` with every integer size field whose name says it is a vocabulary, head count, layer count, expert
+    count, window or width capped at the tiny sizes (`_SHRINK_RULES`), sub-configs included, rebuilt through the
+    config class so that its `__post_init__` derives the rest. For configs whose own fields `SIZES` does not name
+    (e.g. Inkling2's `swa_num_attention_heads` and `unpadded_vocab_size`)."""
+    data = config.to_dict()
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        data.pop(key, None)
+    return type(config).from_dict(_shrink_dict(data))
+
+
 def build_tiny_model(model_type: str, seed: int = 0, max_params: int = 6_000_000, size: dict | None = None,
                      **overrides) -> torch.nn.Module:
-    """A float32 random-weight causal LM of `model_type` in eval mode; ValueError if it has more than `max_params`."""
+    """A float32 random-weight causal LM of `model_type` in eval mode. A config over `max_params` after `SIZES` is
+    shrunk generically (`shrink_config`, then `overrides` again); ValueError if it is still over."""
     config = tiny_config(model_type, size, **overrides)
     model_cls = causal_lm_class(model_type)
     n = count_params(model_cls, config)
     if n > max_params:
-        raise ValueError(f"tiny {model_type} has {n} parameters (> max_params={max_params}).")
+        shrunk = shrink_config(config)
+        for key, value in overrides.items():
+            setattr(shrunk, key, value)
+        m = count_params(model_cls, shrunk)
+        if m > max_params:
+            raise ValueError(f"tiny {model_type} has {n} parameters, {m} after shrinking its size fields "
+                             f"(> max_params={max_params}).")
+        config = shrunk
     torch.manual_seed(seed)
     return model_cls(config).float().eval()
