@@ -13,7 +13,7 @@ fails.
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from unittest.mock import patch
 
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, RolloutResult, SamplingParams
 from trl_infinite.engine.block_manager import blocks_for
+from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
 from trl_infinite.engine.logits import GenerationProcessors
 from trl_infinite.engine.sampler import Sampler, row_keys, seen_mask, uniform64
 from trl_infinite.engine.spec_decode import decoupled
@@ -58,6 +59,7 @@ class Case:
     extra_blocks: int  # pool size = the smallest the calls accept + this
     calls: list[Call] = field(default_factory=list)
     plan_seed: int | None = None
+    graphs: bool = False  # decode steps captured and replayed (the CPU capture emulation; the pool at fixed addresses)
 
     def engine_config(self, draft_model=None) -> EngineConfig:
         bs = self.config["block_size"]
@@ -153,7 +155,7 @@ def engine_settings(draw, allow_compile: bool) -> dict:
 @st.composite
 def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
     case = Case(arch=draw(st.sampled_from(["qwen3", "llama"])), config=draw(engine_settings(allow_compile)),
-                extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 8, 64])))
+                extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 8, 64])), graphs=draw(st.integers(0, 5)) == 0)
     if case.config.get("speculative_decoupled") and case.config.get("speculative_draft_window") is None:
         case.plan_seed = draw(st.one_of(st.none(), st.integers(0, 2**32 - 1)))
     for _ in range(draw(st.integers(1, 3))):  # several calls on one engine: history, predictors, pool reuse
@@ -332,7 +334,8 @@ def run_case(case, model=None) -> None:
     w = world()
     model = w.models[case.arch] if model is None else model
     config = case.engine_config(w.draft)
-    engine = RolloutEngine(model, config)
+    with emulate_cuda_graphs() if case.graphs else nullcontext():
+        engine = RolloutEngine(model, config)
     for call in case.calls:
         with scripted_plans(case.plan_seed):
             if call.fault_at is not None:

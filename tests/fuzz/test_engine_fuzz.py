@@ -1,7 +1,8 @@
 """Differential fuzzer of the rollout engine (issue 24): random engine configurations over the whole space, random
 prompts and call sequences on one engine; every call must give exactly the reference's tokens (greedy:
 `model.generate`; sampled: the canonical plain engine with the same seed), every sample must run to EOS or
-`max_new_tokens`, no block may stay held, the pool's peak must stay within the budget.
+`max_new_tokens`, no block may stay held, the pool's peak must stay within the budget. One case in six captures and
+replays its decode steps (the CPU capture emulation, the KV pool at fixed addresses across the calls).
 
 CI runs the `fuzz-ci` profile: derandomized (the same examples every run), a fixed number of examples, no compile.
 `pytest tests/fuzz --fuzz-long` (or `TRL_INFINITE_FUZZ=long`) runs the `fuzz-long` profile: random examples, many

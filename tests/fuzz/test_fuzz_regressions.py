@@ -22,6 +22,10 @@
    and the pool only shape the schedule): a re-prefilled prompt took a partial hit from a block whose first slot
    was itself a partial-hit copy target in the same prefill forward, which makes all copies at once (sources read
    before targets are written), so it copied the block's stale first slot.
+9. A decode-step capture beside the decoupled drafter's forward (`fuzz-ci`, once the fuzzer drew captured decode
+   steps): the draft model's host read on the drafter thread ran inside the verifier's capture (the emulator refused
+   it; a CUDA capture in torch's global mode forbids other threads' allocations and synchronising copies). Captures
+   and the drafter's forward now exclude each other (`cuda_graphs.capture_lock`).
 """
 
 from __future__ import annotations
@@ -101,3 +105,18 @@ def test_a_partial_hit_never_copies_another_copys_target():
     prompts = [[43, 37], [61, 65], [43, 33, 0], [0, 0, 74, 27, 17, 42, 23, 79, 63, 55, 27, 54, 86]]
     sampling = SamplingParams(max_new_tokens=24, temperature=1.0, seed=0)
     run_case(Case("qwen3", config, 3, [Call(prompts, 6, sampling)]))
+
+
+def test_a_capture_never_runs_beside_the_decoupled_drafter():
+    config = {**BASE, "sampling_mode": "dynamic_slot", "max_active_sequences": 5, "block_size": 2,
+              "max_prefill_tokens": 16, "scheduler": "lrf", "cpu_decode_kernel": True, "kv_cache_release": False,
+              "prefix_cache": True, "history_max_prompts": 4096, "history_max_visits": 3,
+              "prefix_predictor_min_train": 8, "speculative_method": "draft_model", "speculative_num_tokens": 4,
+              "speculative_adaptive": False, "speculative_suffix_sources": "history",
+              "speculative_suffix_min_confidence": 0.1, "speculative_ngram_min_n": 1, "speculative_ngram_max_n": 4,
+              "speculative_best_of_n_tail_batch": 0, "speculative_decoupled": True, "speculative_draft_window": 1,
+              "speculative_reconfigure_every": 1}
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.3, repetition_penalty=1.3, eos_token_ids=[53, 59],
+                              seed=68_534_899_029, raw_logprobs_temperature=1.0)
+    for _ in range(3):  # the drafter thread and the first capture overlap by timing: a few tries
+        run_case(Case("llama", config, 0, [Call([[20]], 3, sampling)], graphs=True))

@@ -19,6 +19,7 @@ tells both apart from other failures, so the decoder can fall back to uncaptured
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -106,6 +107,12 @@ class CudaGraphs:
                         if tuple(s.get("segment_pool_id", ())) == tuple(self.pool)]
         return PoolMemory(sum(s["total_size"] for s in segments), sum(s["allocated_size"] for s in segments))
 
+
+# Held by a capture (its warm-ups included) and by work another thread of the engine launches meanwhile (the
+# decoupled drafter's forward): a CUDA stream capture in torch's default "global" mode forbids the other threads'
+# allocations and synchronising copies (the capture fails, or their call does), and the emulator records whatever
+# runs. Captures happen on a bucket's first use, so in steady state the lock is never contended.
+capture_lock = threading.Lock()
 
 _emulator: GraphRuntime | None = None  # set by `graph_emulation.emulate_cuda_graphs` for its block
 

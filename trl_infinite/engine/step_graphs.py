@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .attention import decode_metadata
-from .cuda_graphs import GraphRuntime, PoolMemory, is_capture_error
+from .cuda_graphs import GraphRuntime, PoolMemory, capture_lock, is_capture_error
 from .kv_pool import KVCachePool
 
 logger = logging.getLogger(__name__)
@@ -105,8 +105,9 @@ class StepGraphs:
         self.graphs.clear()
 
     def _capture(self, args: Args, run: Callable[[Args], Any], record: Callable[[Args], Any]) -> _Captured:
-        self._warm_up(args, run)
-        graph, outputs = self.runtime.capture(lambda: record(args))
+        with capture_lock:  # no drafter-thread forward meanwhile (`cuda_graphs.capture_lock`)
+            self._warm_up(args, run)
+            graph, outputs = self.runtime.capture(lambda: record(args))
         self.captures += 1
         self._memory = self.runtime.pool_memory()
         return _Captured(graph, outputs, args)

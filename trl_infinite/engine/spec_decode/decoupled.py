@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cuda_graphs import capture_lock
 from ..sequence import SeqStatus, Sequence
 from .adaptive import plan_lengths
 from .drafter import EMPTY, Proposal
@@ -199,15 +200,16 @@ class DecoupledStep(SpeculativeStep):
     def _draft_ahead(self, seqs: list[Sequence], assumed: list[list[int]], ks: list[int]):
         """On the drafter thread: the windows after each row's drafts (its own CUDA stream on GPU)."""
         enabled, dtype = self.autocast
-        t0 = time.perf_counter()
-        with torch.inference_mode(), torch.autocast(self.ctx.device.type, dtype=dtype, enabled=enabled):
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
+        with capture_lock:  # never beside a graph capture on the verifier's thread (`cuda_graphs.capture_lock`)
+            t0 = time.perf_counter()
+            with torch.inference_mode(), torch.autocast(self.ctx.device.type, dtype=dtype, enabled=enabled):
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        proposals = self.drafter.propose_ahead(seqs, assumed, ks)
+                    self.stream.synchronize()
+                else:
                     proposals = self.drafter.propose_ahead(seqs, assumed, ks)
-                self.stream.synchronize()
-            else:
-                proposals = self.drafter.propose_ahead(seqs, assumed, ks)
-        return proposals, time.perf_counter() - t0
+            return proposals, time.perf_counter() - t0
 
     def _join_ahead(self, ahead: _Ahead | None, keep: bool) -> None:
         if ahead is None:
