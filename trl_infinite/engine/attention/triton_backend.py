@@ -11,6 +11,9 @@ What runs where:
   `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is where the
   memory-bound time goes).
 
+The decode path runs as one `torch.library` custom op (`triton_op`: the metadata and layer settings flattened into
+tensors and scalars), so a compiled decode step traces it as a black box; its body, `launch_cascade`, is never traced.
+
 The launch grids depend on shapes only (rows, KV heads, the device's SM count, the table widths), never on device
 data, so a decode step is capturable in a CUDA graph: split programs past a row's context simply write an empty
 partial. Tiles, warps and pipeline stages come from `triton_tiles` (autotuned among its candidates on CUDA), the
