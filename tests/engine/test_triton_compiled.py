@@ -1,7 +1,8 @@
 """The decode step compiled end to end (`torch.compile(fullgraph=True)`) with the Triton attention backend.
 
 - The Triton decode attention is one custom op (`attention/triton_op.py`): its schema, fake implementation and
-  (absent) mutations pass `torch.library.opcheck`, and its output equals the torch reference's.
+  (absent) mutations pass `torch.library.opcheck`, its output equals the torch reference's, and a traced backend call
+  is exactly one node of it (the eager call skips the op's dispatch: the same body).
 - A tiny model's engine with `attention_backend="triton"` and `compile=True` compiles its step as one graph (a graph
   break would raise under `fullgraph=True`; none is counted) through which the Triton kernels run on every layer,
   and its greedy output is token-identical to `model.generate`, with the `aot_eager` backend (AOTAutograd traces
@@ -72,6 +73,19 @@ def test_custom_op_checks_and_matches_reference(sinks):
     ref = torch_paged_attention(*args[:3], with_context(meta, ((layer.sliding_window, None),)), layer)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert (out - ref).abs().max().item() < 1e-5
+    # traced (fullgraph): the backend's call is one node of the op, and the compiled call gives the same output
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: tb.triton_paged_attention(q, k, v, meta, layer), fullgraph=True,
+                             backend=record)
+    torch.testing.assert_close(compiled(*args[:3]), out, rtol=0, atol=0)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert calls == ["trl_infinite.triton_cascade_decode.default"]
 
 
 def _engine(model, backend: str) -> RolloutEngine:

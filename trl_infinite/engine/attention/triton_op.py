@@ -6,7 +6,8 @@ call must be opaque: `cascade_decode` flattens the per-forward metadata (`PagedA
 settings (`LayerAttention`) into tensors and plain scalars and calls the op `trl_infinite::triton_cascade_decode`,
 whose body (`triton_backend.launch_cascade`) runs eagerly, also inside a compiled graph (where it builds and caches
 the autotuners on its first call per configuration). Its fake implementation gives the output's shape and dtype,
-all a trace needs. The op mutates none of its inputs: it writes only the output and its own partial buffers.
+all a trace needs. The op mutates none of its inputs: it writes only the output and its own partial buffers. Outside
+a trace the body is called directly (the op's dispatch costs tens of microseconds per layer on the host).
 
 The autocast state is read here, in the traced caller (Dynamo tracks it and guards on it), and passed to the body:
 inside a compiled graph the body would not see an autocast region the model enters during the forward, which
@@ -55,11 +56,14 @@ def triton_cascade_decode(
     kv_splits: int,  # 0: the heuristic's (`triton_tiles.prefix_splits`)
     splits: int,  # 0: the heuristic's (`triton_tiles.suffix_splits`)
 ) -> torch.Tensor:  # [T, H, Dv] in the pool's dtype
-    from .triton_backend import launch_cascade  # (the op's body runs eagerly: never traced)
+    return _body(query, k_cache, v_cache, order, run_len, q_start, q_pos, prompt_lens, prefix_table, suffix_table,
+                 sinks, block_size, scale, softcap, sliding_window, chunk_size, autocast, kv_splits, splits)
 
-    return launch_cascade(query, k_cache, v_cache, order, run_len, q_start, q_pos, prompt_lens, prefix_table,
-                          suffix_table, sinks, block_size, scale, softcap, sliding_window, chunk_size, autocast,
-                          kv_splits, splits)
+
+def _body(*args) -> torch.Tensor:
+    from .triton_backend import launch_cascade  # (run eagerly: never traced)
+
+    return launch_cascade(*args)
 
 
 @triton_cascade_decode.register_fake
@@ -76,8 +80,10 @@ def cascade_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise RuntimeError("triton decode attention needs the cascade plan: prepare the metadata with "
                            "`triton_backend.prepare_cascade` first.")
     order, run_len = meta.cascade
-    return triton_cascade_decode(
-        query, k_cache, v_cache, order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
-        meta.suffix_table, layer.sinks, meta.block_size, float(layer.scale),
-        None if layer.softcap is None else float(layer.softcap), int(layer.sliding_window or 0),
-        int(layer.chunk_size or 0), autocast_code(query.device.type), kv_splits, splits)
+    args = (query, k_cache, v_cache, order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
+            meta.suffix_table, layer.sinks, meta.block_size, float(layer.scale),
+            None if layer.softcap is None else float(layer.softcap), int(layer.sliding_window or 0),
+            int(layer.chunk_size or 0), autocast_code(query.device.type), kv_splits, splits)
+    if torch.compiler.is_compiling():
+        return triton_cascade_decode(*args)
+    return _body(*args)  # eager: the same body without the dispatcher's Python round trip (tens of us per layer)
