@@ -2,7 +2,8 @@
 
 - The Triton decode attention is one custom op (`attention/triton_op.py`): its schema, fake implementation and
   (absent) mutations pass `torch.library.opcheck`, its output equals the torch reference's, and a traced backend call
-  is exactly one node of it (the eager call skips the op's dispatch: the same body).
+  is exactly one node of it (the eager call skips the op's dispatch: the same body). The body follows the autocast
+  state the traced caller passes, not the one around it.
 - A tiny model's engine with `attention_backend="triton"` and `compile=True` compiles its step as one graph (a graph
   break would raise under `fullgraph=True`; none is counted) through which the Triton kernels run on every layer,
   and its greedy output is token-identical to `model.generate`, with the `aot_eager` backend (AOTAutograd traces
@@ -36,6 +37,7 @@ from trl_infinite.engine.attention import (  # noqa: E402
     Segment,
     build_metadata,
     torch_paged_attention,
+    triton_op,  # noqa: E402
     with_context,
 )
 from trl_infinite.engine.attention import triton_backend as tb  # noqa: E402
@@ -144,3 +146,16 @@ def test_step_compile_failure_is_raised_clearly_and_is_not_a_capture_error():
         with pytest.raises(StepCompileError) as info:
             CompiledStep(_Toy().doubles, _failing_backend(error), None, fast=False)(("rows", 1), torch.ones(2))
         assert info.value.origin is error and is_capture_error(info.value) == capture
+
+
+def test_op_body_follows_the_autocast_state_the_caller_traced(monkeypatch):
+    """Inside a compiled graph the op's body does not see an autocast region entered in the traced forward: it
+    follows the state passed by the caller (`triton_op.autocast_code`), whatever the state around it."""
+    monkeypatch.setattr(tb, "_interpreting", lambda: False)  # (the interpreter ignores autocast)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        traced = triton_op.autocast_code("cpu")
+        assert traced == 1 and tb._dot_mode(torch.float32, "cpu", traced) == (1, "tf32")
+        assert tb._dot_mode(torch.float32, "cpu", 0) == (0, "ieee")
+    assert triton_op.autocast_code("cpu") == 0 and tb._dot_mode(torch.float32, "cpu", 0) == (0, "ieee")
+    assert tb._dot_mode(torch.float32, "cpu", 1) == (1, "tf32") and tb._dot_mode(torch.float32, "cpu", 2) == (2, "tf32")
+    assert not torch.is_autocast_enabled("cpu")  # nothing left entered
