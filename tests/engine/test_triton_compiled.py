@@ -37,7 +37,7 @@ from trl_infinite.engine.attention import (  # noqa: E402
     Segment,
     build_metadata,
     torch_paged_attention,
-    triton_op,  # noqa: E402
+    triton_op,
     with_context,
 )
 from trl_infinite.engine.attention import triton_backend as tb  # noqa: E402
