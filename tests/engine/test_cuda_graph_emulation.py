@@ -94,11 +94,13 @@ def test_graphs_are_token_identical_to_generate(name):
     assert result.stats.extra["cuda_graph_bytes"] == emu.pool_memory().reserved > 0
 
 
-@pytest.mark.parametrize("kw", [dict(attention_backend="triton"), dict(compile=True, compile_backend="aot_eager")],
-                         ids=["triton", "compiled"])
+@pytest.mark.parametrize("kw", [dict(attention_backend="triton"), dict(compile=True, compile_backend="aot_eager"),
+                                dict(attention_backend="triton", compile=True, compile_backend="aot_eager")],
+                         ids=["triton", "compiled", "triton-compiled"])
 def test_graphs_of_triton_kernels_and_compiled_steps(kw):
-    """The Triton cascade kernels (their launches are graph nodes) and a compiled step (its compiled graph called
-    without entering Dynamo) capture and replay token-identically."""
+    """The Triton cascade kernels (their launches are graph nodes), a compiled step (its compiled graph called
+    without entering Dynamo) and both (the kernels' custom op inside the compiled graph) capture and replay
+    token-identically."""
     model = tiny_model("qwen3")
     refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
     engine, emu = _engine(model, **kw)

@@ -40,12 +40,35 @@ def fast_dispatch_supported(version: str = torch.__version__) -> bool:
     return low <= TorchVersion(version) < high and hasattr(torch._dynamo.convert_frame, "register_bytecode_hook")
 
 
+class StepCompileError(RuntimeError):
+    """`torch.compile` could not compile the decode step (a graph break under `fullgraph=True`, a backend failure),
+    raised naming the setting, with Dynamo's error as its cause. `origin`: the first error in Dynamo's chain that
+    Dynamo did not raise itself (what the backend or the traced code raised; None for Dynamo's own refusals, such as a
+    graph break). Not a CUDA-graph capture problem unless `origin` is one (`cuda_graphs.is_capture_error`)."""
+
+    def __init__(self, backend: str, err: BaseException):
+        first = str(err).strip().split("\n\n")[0][:600]
+        super().__init__(f"torch.compile (backend {backend!r}) could not compile the decode step: "
+                         f"{type(err).__name__}: {first}\nThe step must trace as one graph; run it uncompiled with "
+                         "EngineConfig(compile=False) (the same results) and report the error.")
+        self.backend = backend
+        self.origin = _origin(err)
+
+
+def _origin(err: BaseException | None) -> BaseException | None:
+    seen = 0
+    while isinstance(err, torch._dynamo.exc.TorchDynamoException) and seen < 16:
+        err, seen = getattr(err, "inner_exception", None) or err.__cause__, seen + 1
+    return None if isinstance(err, torch._dynamo.exc.TorchDynamoException) else err
+
+
 class CompiledStep:
     """`torch.compile(method, fullgraph=True)` with per-key dispatch (see the module docstring). `fast`: use the
     direct dispatch (default: where `fast_dispatch_supported`); False: every call guarded."""
 
     def __init__(self, method: Callable, backend: str, options: dict | None, fast: bool | None = None):
         self.compiled = torch.compile(method, fullgraph=True, backend=backend, options=options)
+        self.backend = backend
         self.fast = fast_dispatch_supported() if fast is None else fast
         self._owner = method.__self__
         self._code = method.__func__.__code__
@@ -66,9 +89,13 @@ class CompiledStep:
         return None if direct is None else lambda *args: direct(self._owner, *args)
 
     def guarded(self, *args) -> Any:
-        """A call of the compiled function with every guard evaluated (compiling where none matches)."""
+        """A call of the compiled function with every guard evaluated (compiling where none matches). A failure to
+        compile raises `StepCompileError`."""
         with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)):
-            return self.compiled(*args)
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                raise StepCompileError(self.backend, err) from err
 
     def __call__(self, key: tuple, *args) -> Any:
         if not self.fast:

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .compiled_step import StepCompileError
+
 
 class CaptureError(RuntimeError):
     """Something a graph cannot record ran inside a capture; `kind` names the rule (see `graph_emulation`)."""
@@ -41,7 +43,11 @@ _CUDA_CAPTURE_MESSAGES = ("stream is capturing", "cudaErrorStreamCapture", "duri
 
 
 def is_capture_error(err: BaseException) -> bool:
-    """Whether `err` says a capture could not record the step (rather than the step itself failing)."""
+    """Whether `err` says a capture could not record the step (rather than the step itself failing). A step that
+    could not be compiled (`StepCompileError`) is one only where what made the compilation fail is (a backend that
+    compiled inside a capture): a graph break, whatever its message, is raised, not given up on."""
+    if isinstance(err, StepCompileError):
+        return err.origin is not None and is_capture_error(err.origin)
     return isinstance(err, CaptureError) or (
         isinstance(err, RuntimeError) and any(m in str(err) for m in _CUDA_CAPTURE_MESSAGES))
 

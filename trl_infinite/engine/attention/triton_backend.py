@@ -11,6 +11,9 @@ What runs where:
   `torch_paged_attention` (prefill is compute-bound and runs once per prompt; the decode step is where the
   memory-bound time goes).
 
+The decode path runs as one `torch.library` custom op (`triton_op`: the metadata and layer settings flattened into
+tensors and scalars), so a compiled decode step traces it as a black box; its body, `launch_cascade`, is never traced.
+
 The launch grids depend on shapes only (rows, KV heads, the device's SM count, the table widths), never on device
 data, so a decode step is capturable in a CUDA graph: split programs past a row's context simply write an empty
 partial. Tiles, warps and pipeline stages come from `triton_tiles` (autotuned among its candidates on CUDA), the
@@ -24,6 +27,7 @@ need CUDA tensors, or `TRITON_INTERPRET=1` set before `triton` is imported (Trit
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import replace
 
 import torch
@@ -35,13 +39,25 @@ from .layer import LayerAttention
 from .metadata import PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention
 from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
+from .triton_op import AUTOCAST_DTYPES, autocast_code, cascade_decode
 
 AUTOTUNE = True  # on CUDA, time the tile candidates on each configuration's first call (off: the first candidate)
 
 
-def _interpreting() -> bool:
+def _interpret_flag() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter. Decided when `triton.jit` decorates a kernel (at the import
+    of `triton_kernels`), so read once, at import: it never changes afterwards."""
     knobs = getattr(triton, "knobs", None)
-    return bool(knobs.runtime.interpret) if knobs is not None else False
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+INTERPRETING = _interpret_flag()
+
+
+def _interpreting() -> bool:
+    return INTERPRETING
 
 
 def cascade_plan(meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,40 +153,60 @@ def cascade_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
     layer: LayerAttention, kv_splits: int | None = None, splits: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention (one query token per segment) with the prompt part shared across each group.
+    """Decode attention (one query token per segment) with the prompt part shared across each group: the custom op
+    `triton_op.triton_cascade_decode` (opaque to `torch.compile`), which runs `launch_cascade`.
     `kv_splits` / `splits` override the prompt's KV splits and the own tokens' split-K (tests)."""
+    return cascade_decode(query, k_cache, v_cache, meta, layer, kv_splits or 0, splits or 0)
+
+
+def _dot_mode(pool_dtype: torch.dtype, device_type: str, autocast: int) -> tuple[int, str]:
+    """`triton_tiles.dot_mode` under the autocast state the caller traced (`triton_op.autocast_code`), which the op's
+    body does not see inside a compiled graph."""
+    if autocast == autocast_code(device_type):  # eager calls, and autocast entered outside a compiled step
+        return tiles.dot_mode(pool_dtype, device_type, _interpreting())
+    with torch.autocast(device_type, dtype=AUTOCAST_DTYPES[autocast], enabled=autocast != 0):
+        return tiles.dot_mode(pool_dtype, device_type, _interpreting())
+
+
+def launch_cascade(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, order: torch.Tensor, run_len: torch.Tensor,
+    q_start: torch.Tensor, q_pos: torch.Tensor, prompt_lens: torch.Tensor, prefix_table: torch.Tensor,
+    suffix_table: torch.Tensor, sinks: torch.Tensor | None, block_size: int, scale: float, softcap: float | None,
+    sliding_window: int, chunk_size: int, autocast: int, kv_splits: int, splits: int,
+) -> torch.Tensor:
+    """The kernel launches of `cascade_decode_attention` (the op's body, run eagerly; see `triton_op` for the
+    arguments)."""
     _check(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim_k = query.shape
     num_kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads.")
     gqa = num_heads // num_kv_heads
-    num_seg = meta.prompt_lens.shape[0]
+    num_seg = prompt_lens.shape[0]
     device = query.device
     query = query.to(k_cache.dtype)
-    order, run_len = meta.cascade
     sms = device_sms(device)
     block_dk, dk_chunks = tiles.key_chunks(head_dim_k)
     block_dv = tiles.value_block(head_dim_v)
-    cast, precision = tiles.dot_mode(k_cache.dtype, device.type, _interpreting())
+    cast, precision = _dot_mode(k_cache.dtype, device.type, autocast)
     common = dict(HEAD_DIM_K=head_dim_k, BLOCK_DK=block_dk, DK_CHUNKS=dk_chunks, HEAD_DIM_V=head_dim_v,
-                  BLOCK_DV=block_dv, NUM_HEADS=num_heads, GQA=gqa, PAGE=meta.block_size, PRECISION=precision,
-                  CAST=cast, SOFTCAP=layer.softcap is not None, HAS_WINDOW=bool(layer.sliding_window),
-                  HAS_CHUNK=bool(layer.chunk_size))
-    features = (float(layer.scale), float(layer.softcap or 0.0), int(layer.sliding_window or 0),
-                int(layer.chunk_size or 0), tiles.row_class(num_seg))
+                  BLOCK_DV=block_dv, NUM_HEADS=num_heads, GQA=gqa, PAGE=block_size, PRECISION=precision,
+                  CAST=cast, SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window),
+                  HAS_CHUNK=bool(chunk_size))
+    features = (float(scale), float(softcap or 0.0), int(sliding_window), int(chunk_size), tiles.row_class(num_seg))
     kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     f32 = dict(dtype=torch.float32, device=device)
-    prompt_capacity = meta.prefix_table.shape[1] * meta.block_size
+    prompt_capacity = prefix_table.shape[1] * block_size
     kv_splits = kv_splits or prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
     pre_o = torch.empty(num_tokens, num_heads, kv_splits, head_dim_v, **f32)
     pre_lse = torch.empty(num_tokens, num_heads, kv_splits, **f32)
-    sinks = layer.sinks.float().contiguous() if layer.sinks is not None else pre_lse  # placeholder when absent
+    has_sinks = sinks is not None
+    sinks = sinks.float().contiguous() if has_sinks else pre_lse  # placeholder when absent
     _launch(_prefix_kernel, (num_seg, num_kv_heads, kv_splits), tiles.prefix_tiles(head_dim_k, head_dim_v), device,
             query, k_cache, v_cache, pre_o, pre_lse, sinks,
-            order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
-            query.stride(0), query.stride(1), *kv_strides, meta.prefix_table.stride(0),
-            *features, KV_SPLITS=kv_splits, HAS_SINKS=layer.sinks is not None, **common)
+            order, run_len, q_start, q_pos, prompt_lens, prefix_table,
+            query.stride(0), query.stride(1), *kv_strides, prefix_table.stride(0),
+            *features, KV_SPLITS=kv_splits, HAS_SINKS=has_sinks, **common)
     _, head_tiles = tiles.suffix_rows(gqa, head_dim_v)
     splits = splits or suffix_splits(num_seg, num_kv_heads, sms, head_tiles)
     out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=query.dtype, device=device)
@@ -181,9 +217,9 @@ def cascade_decode_attention(
     _launch(_suffix_kernel, (num_seg, num_kv_heads * head_tiles, splits),
             tiles.suffix_tiles(gqa, head_dim_k, head_dim_v), device,
             query, k_cache, v_cache, pre_o, pre_lse, out, part_o, part_lse,
-            meta.q_start, meta.q_pos, meta.prompt_lens, meta.suffix_table,
+            q_start, q_pos, prompt_lens, suffix_table,
             query.stride(0), query.stride(1), *kv_strides, out.stride(0), out.stride(1),
-            max(meta.suffix_table.stride(0), 1),
+            max(suffix_table.stride(0), 1),
             *features, HEAD_TILES=head_tiles, PREFIX_SPLITS=kv_splits, SPLITS=splits, **common)
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
