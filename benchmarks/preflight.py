@@ -9,10 +9,12 @@ Checks, each a row (status ok / FAILED / skipped, seconds, detail):
 - CUDA graph: `y = x @ w + 1` captured once, replayed on new inputs, compared with eager;
 - the engine's Triton attention backend imports (its kernels compile later, in the tables).
 
-Exit status 1 when a check that every later table needs failed (torch, CUDA, Triton JIT, CUDA graph, trl_infinite);
-a missing trl / datasets / pytest only fails the tables that import it (shown as `FAILED (needed by ...)`, exit 1
-too: the suite then stops, so carry the wheel and run again). `--device cpu` (the suite's dry run): the Triton kernel
-runs under Triton's interpreter (`TRITON_INTERPRET=1` must be set before this starts) and the graph row is skipped.
+Exit status 1 when a check that every later table needs failed (torch, triton, transformers, accelerate, numpy,
+huggingface_hub, trl_infinite, the device, the Triton kernel, the CUDA graph, the engine's Triton backend): the suite
+then stops the call. Exit status 3 when only a module some tables need is missing (trl, datasets, pytest: the row
+says which tables): the suite goes on, and those tables fail on their own. `--device cpu` (the suite's dry run): the
+Triton kernel runs under Triton's interpreter (`TRITON_INTERPRET=1` must be set before this starts) and the graph
+row is skipped.
 
     python benchmarks/preflight.py --json OUT/preflight.json
 """
@@ -147,7 +149,8 @@ def main(argv=None) -> int:
             try:
                 row = check(device)
             except Exception as err:  # noqa: BLE001 - the failure is the finding
-                row = {"check": check.__name__.removeprefix("check_").replace("_", " "), "status": "FAILED",
+                name = {"check_triton": "triton kernel", "check_graph": "cuda graph"}.get(check.__name__)
+                row = {"check": name or check.__name__.removeprefix("check_").replace("_", " "), "status": "FAILED",
                        "detail": f"{type(err).__name__}: {err}"[:500]}
             row.update(seconds=time.perf_counter() - t0, critical=True)
             rows.append(row)
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({**header, "rows": rows}, indent=1))
         Path(a.json).with_suffix(".md").write_text(text)
-    return 1 if failed else 0
+    return 1 if any(r["critical"] for r in failed) else 3 if failed else 0
 
 
 def _commit() -> str:
