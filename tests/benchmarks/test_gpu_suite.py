@@ -290,8 +290,9 @@ def test_one_call_goes_on_when_only_some_tables_miss_a_module(tmp_path):
 
 
 def test_one_call_limits_shrink_to_the_budget(tmp_path):
-    """A slow part eats the budget: the next parts get what is left, and those with under 30 s are skipped."""
-    fake = _writing_python(tmp_path, 'case "$*" in *graphs.json*) sleep 12 ;; esac\nexit 0')
+    """A slow part eats the budget: the next parts get what is left, and those with under 30 s are skipped (62 s of
+    budget - 20 s of margin - 15 s of graphs leaves at most 27 s after it; bash counts whole seconds)."""
+    fake = _writing_python(tmp_path, 'case "$*" in *graphs.json*) sleep 15 ;; esac\nexit 0')
     done = _suite(tmp_path, fake, "--part", "one", PART_BUDGET="62")
     assert done.returncode == 1
     log = (tmp_path / "out" / "partone.log").read_text()
