@@ -40,16 +40,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-skips", action="store_true", help="a skipped test fails the run")
     p.add_argument("--collect-only", action="store_true", help="collect and shard only (dry run)")
     p.add_argument("--json", default=None, help="write the result as JSON (and the table as .md) here")
+    p.add_argument("--cwd", default=str(ROOT), help="where pytest runs (default: the repository root)")
     a = p.parse_args(argv)
     if a.jobs < 1:
         p.error("--jobs must be >= 1")
     return a
 
 
-def collect(tests: list[str]) -> list[str]:
+def collect(tests: list[str], cwd: str) -> list[str]:
     """Node ids of every test `tests` selects, in pytest's order."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *tests],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=cwd)
     ids = [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if done.returncode != 0 or not ids:
         raise SystemExit(f"collection failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -78,13 +79,13 @@ def outcomes(junit: Path) -> list[dict]:
     return cases
 
 
-def run_shards(shards: list[list[str]], tmp: Path) -> list[dict]:
+def run_shards(shards: list[list[str]], tmp: Path, cwd: str) -> list[dict]:
     procs = []
     for k, ids in enumerate(shards):
         junit, log = tmp / f"shard{k}.xml", tmp / f"shard{k}.log"
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfEs", *ids]
         procs.append((k, junit, log, time.perf_counter(), subprocess.Popen(
-            argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)))
+            argv, cwd=cwd, stdout=log.open("w"), stderr=subprocess.STDOUT)))
     rows = []
     for k, junit, log, t0, proc in procs:
         rc = proc.wait()
@@ -121,7 +122,7 @@ def write(path: str | None, header: dict, rows: list[dict], extra: dict) -> None
 def main(argv=None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
-    ids = collect(a.tests)
+    ids = collect(a.tests, a.cwd)
     shards = shard(ids, a.jobs)
     header = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": "python " + " ".join(
         sys.argv), "tests": f"{len(ids)} collected from {' '.join(a.tests)}", "shards": len(shards),
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
         write(a.json, header, rows, {"collected": ids})
         return 0
     with tempfile.TemporaryDirectory(prefix="parallel_pytest_") as tmp:
-        rows = run_shards(shards, Path(tmp))
+        rows = run_shards(shards, Path(tmp), a.cwd)
     total = {k: sum(r[k] for r in rows) for k in ("tests", "passed", "failed", "errors", "skipped")}
     bad = total["failed"] + total["errors"] > 0 or total["passed"] == 0 or (a.no_skips and total["skipped"] > 0)
     header["result"] = ("FAILED: " if bad else "ok: ") + ", ".join(f"{v} {k}" for k, v in total.items()) + \

@@ -358,3 +358,31 @@ def test_autotune_env_var_turns_autotuning_off():
         env = {**os.environ, "TRL_INFINITE_TRITON_AUTOTUNE": value, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert done.stdout.strip().splitlines()[-1] == expected, done.stderr[-2000:]
+
+
+def _parallel(tmp_path: Path, source: str, *flags: str) -> tuple[int, dict]:
+    (tmp_path / "test_planted.py").write_text(source)
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(BENCH / "parallel_pytest.py"), "--jobs", "2", "--cwd", str(tmp_path),
+                           "--json", str(out), *flags, "test_planted.py"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    return done.returncode, json.loads(out.read_text())
+
+
+def test_parallel_pytest_counts_and_fails(tmp_path):
+    """parallel_pytest.py: the tests are dealt over the processes, every outcome is counted, a failure, a crashed
+    process or (with --no-skips) a skip fails the run, and --collect-only runs nothing."""
+    passing = "import os\nimport pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    pass\n"
+    skip = "\ndef test_d():\n    pytest.skip('no GPU')\n"
+    rc, result = _parallel(tmp_path, passing + skip)
+    assert rc == 0 and result["result"].startswith("ok: 4 tests, 3 passed, 0 failed, 0 errors, 1 skipped")
+    assert sorted(r["tests"] for r in result["rows"]) == [2, 2] and len(result["collected"]) == 4
+    rc, result = _parallel(tmp_path, passing + skip, "--no-skips")
+    assert rc == 1 and "skips not allowed" in result["result"]
+    # ids a, b, c, e, f: shard 0 runs a, c, f (f kills its process: no report), shard 1 runs b, e (e fails)
+    bad = passing + "\ndef test_e():\n    assert 1 == 2\n\ndef test_f():\n    os._exit(3)\n"
+    rc, result = _parallel(tmp_path, bad)
+    assert rc == 1 and [(r["failed"], r["errors"]) for r in result["rows"]] == [(0, 1), (1, 0)]
+    assert "test_e" in result["rows"][1]["first_failure"] and "exited 3" in result["rows"][0]["first_failure"]
+    rc, result = _parallel(tmp_path, bad, "--collect-only")
+    assert rc == 0 and result["result"] == "collected only (dry run)" and len(result["collected"]) == 5
