@@ -263,19 +263,24 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _markdown(header: dict, table: Table) -> str:
+    return "\n".join(f"- {k}: {v}" for k, v in header.items()) + "\n\n" + table.markdown() + "\n"
+
+
 def save_json(path: str | None, header: dict, table: Table, extra: dict) -> None:
-    """The JSON of a run (rows so far): rewritten after every row, so a run cut short keeps what it measured."""
+    """The JSON of a run (rows so far) and its markdown beside it (*.md): rewritten after every row, so a run cut short
+    keeps what it measured."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({**header, **extra, "rows": table.rows}, indent=1))
+        Path(path).with_suffix(".md").write_text(_markdown(header, table))
 
 
 def write_results(path: str | None, header: dict, table: Table, extra: dict) -> None:
     """Print the header and the table; with `path` (*.json) also write the JSON and the same markdown beside it
     (*.md)."""
-    text = "\n".join(f"- {k}: {v}" for k, v in header.items()) + "\n\n" + table.markdown() + "\n"
+    text = _markdown(header, table)
     print("\n" + text, flush=True)
     if path:
         save_json(path, header, table, extra)
-        Path(path).with_suffix(".md").write_text(text)
         print(f"\nwrote {path} and {Path(path).with_suffix('.md')}")

@@ -107,7 +107,8 @@ class Size:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", choices=MODELS)
-    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
+    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS),
+                   help="run in this order (put the row that matters first: a time limit cuts the last)")
     p.add_argument("--sizes", nargs="+", type=Size.parse, default=[Size.parse(s) for s in DEFAULT_SIZES],
                    help="GxP@L: G generations x P prompts per step @ max_completion_length")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per trainer; the first is a warm-up")
@@ -289,6 +290,21 @@ def _max(values):
     return max(values) if values else None
 
 
+def run_order(trainers: list[str]) -> list[str]:
+    """The trainers in the order `--trainers` gives them, each once."""
+    return list(dict.fromkeys(trainers))
+
+
+def add_ratios(row: dict, base: dict) -> None:
+    """`x_trl_*`: `row` over GRPOTrainer's row `base` of the same size (nothing when that row failed)."""
+    if "cpu_s" not in base:
+        return
+    row["x_trl_cpu"] = row["cpu_s"] / base["cpu_s"]
+    row["x_trl_wall"] = row["wall_s"] / base["wall_s"]
+    if row["peak_rss_GB"] is not None and base.get("peak_rss_GB"):
+        row["x_trl_rss"] = row["peak_rss_GB"] / base["peak_rss_GB"]
+
+
 def make_row(size: Size, kind: str, data: dict, clock: str, base: dict | None) -> dict:
     """The table row of one worker: means over the measured steps (all but the first), peaks over them."""
     row = {"size": size.name, "trainer": TRAINERS[kind]}
@@ -315,11 +331,8 @@ def make_row(size: Size, kind: str, data: dict, clock: str, base: dict | None) -
     if kind == "trl":
         row["x_trl_cpu"] = row["x_trl_wall"] = 1.0
         row["x_trl_rss"] = 1.0 if row["peak_rss_GB"] is not None else None
-    elif base is not None and "cpu_s" in base:
-        row["x_trl_cpu"] = row["cpu_s"] / base["cpu_s"]
-        row["x_trl_wall"] = row["wall_s"] / base["wall_s"]
-        if row["peak_rss_GB"] is not None and base.get("peak_rss_GB"):
-            row["x_trl_rss"] = row["peak_rss_GB"] / base["peak_rss_GB"]
+    elif base is not None:
+        add_ratios(row, base)
     if kind == "infinite":
         row["engine"] = "yes" if data.get("uses_engine") else "NO"
         if data.get("engine_fallback_reasons"):
@@ -336,7 +349,7 @@ def header_for(a, device: torch.device, clock: str) -> dict:
         if a.model == "smollm2" else f"{a.model} (random weights), {a.prompt_len}-token random prompts, length reward"
     header.update({
         "model": f"{weights}; weights {a.weights_dtype}",
-        "trainers": ", ".join(TRAINERS[k] for k in a.trainers),
+        "trainers": ", ".join(TRAINERS[k] for k in run_order(a.trainers)) + " (run in this order)",
         "steps": f"{a.steps} per trainer, the first a warm-up; columns are the mean of the other {a.steps - 1}",
         "threads": f"{a.threads} (torch.set_num_threads, OMP_NUM_THREADS) per worker process",
         "phase clock": f"{clock} seconds",
@@ -381,7 +394,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
         for size in a.sizes:
             base = None
-            for kind in [k for k in TRAINERS if k in a.trainers]:
+            for kind in run_order(a.trainers):  # as --trainers lists them: a time limit cuts the last, not ours
                 result = Path(tmp) / f"{size.name}_{kind}.json"
                 print(f"[grpo_step] {size.name} {TRAINERS[kind]} ...", file=sys.stderr, flush=True)
                 data = run_subprocess(worker_argv(a, kind, size, str(result)), result, env)
@@ -389,6 +402,9 @@ def main(argv=None) -> None:
                 failed |= bool(row.get("failed"))
                 if kind == "trl":
                     base = row
+                    for earlier in table.rows:  # rows that ran before GRPOTrainer get their ratios now
+                        if earlier["size"] == size.name and not earlier.get("failed"):
+                            add_ratios(earlier, base)
                 config = row.pop("config", None)
                 if config is not None:
                     configs.setdefault(kind, config)

@@ -3,39 +3,40 @@
 # commit into .whl/COMMIT, optionally copy a length trace into .bench/, and check that everything that travels with
 # a device call fits its 64 MiB limit.
 #
-#   benchmarks/prepare_gpu_wheels.sh [--trace TRACE.jsonl] [--with-pyarrow]
+#   benchmarks/prepare_gpu_wheels.sh [--trace TRACE.jsonl]
 #
-# Why each wheel (the GPU image has torch 2.11, triton 3.6, transformers 5.17, accelerate 1.15, peft, pandas,
-# pyarrow, xxhash, fsspec, psutil, jinja2, but not trl or datasets):
-#   trl 1.16.0           TRL's GRPOConfig / GRPOTrainer / pad (rollout_bench's TRL paths, grpo_step)
+# The wheel rule: carry only what the GPU image lacks, and never replace a package it has. The image (python 3.12,
+# torch 2.11, triton 3.6, transformers 5.17, accelerate 1.15, huggingface_hub 1.33, peft, pandas, pyarrow, xxhash,
+# fsspec, psutil, jinja2, pytest on the last reading) lacks trl and datasets. gpu_suite.sh installs the wheels with
+# benchmarks/install_wheels.py: --no-deps into /tmp/site, skipping every wheel whose distribution or modules the
+# image already has, so nothing carried shadows an image package on PYTHONPATH. transformers is NOT carried: a 5.23
+# wheel put in front of the image's 5.17 without its dependencies (it needs a newer huggingface_hub) could break
+# every table, and the image's 5.17 runs the suite (checked on CPU with torch 2.11, triton 3.6, transformers 5.17:
+# benchmarks/gpu_suite.sh OUT --part one --dry-run under that venv). Nor is pyarrow: datasets 5.2 asks for
+# pyarrow >= 24; if the image's is older and datasets fails to import, the preflight says so (only grpo_step needs it).
+#   trl 1.16.0           TRL's GRPOConfig / GRPOTrainer / pad (rollout_bench's TRL path, grpo_step)
 #   datasets 5.2.0       imported by trl's trainers and by grpo_step (Dataset.from_dict)
 #   dill, multiprocess   datasets' own dependencies that the image lacks
-#   pytest 9.0.3         part 1's correctness checks on the GPU (kernels vs the torch reference, CUDA graphs on vs
-#   pluggy, iniconfig,   off): without pytest that table fails, and the suite with it; pytest's own dependencies
-#   pygments             (packaging is in the image: transformers needs it)
-#   transformers 5.23.0  the version CI and every CPU test run on. The image's 5.17 also runs the suite's paths
-#                        (checked on CPU: the greedy, static-decode, step-hook and trainer tests pass and the three
-#                        rollout paths run), but 2 model-support tests differ there (gemma2 soft-capping, hy_v4)
-# --with-pyarrow adds pyarrow 26.0.1 (55 MB) for an image whose pyarrow is older than datasets 5.2 needs (>= 24):
-# it fits 64 MiB only without transformers 5.23, so it drops that wheel (the suite then runs on the image's 5.17).
+#   pytest 9.0.3,        the correctness parts (graphs on/off, kernels vs the torch reference); skipped at install
+#   pluggy, iniconfig,   where the image has them (its list names pytest), carried for an image without
+#   pygments
 # Re-run before each GPU session: downloads are skipped when present, and .whl/COMMIT is refreshed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-TRACE=""; PYARROW=0
+TRACE=""
 while [ $# -gt 0 ]; do
     case $1 in
-        --trace) TRACE=$2; shift 2 ;;
-        --with-pyarrow) PYARROW=1; shift ;;
-        *) echo "usage: $0 [--trace TRACE.jsonl] [--with-pyarrow]" >&2; exit 2 ;;
+        --trace) [ $# -ge 2 ] || { echo "usage: $0 [--trace TRACE.jsonl]" >&2; exit 2; }; TRACE=$2; shift 2 ;;
+        *) echo "usage: $0 [--trace TRACE.jsonl]" >&2; exit 2 ;;
     esac
 done
 
 WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
         pygments==2.20.0)
-if [ $PYARROW = 1 ]; then WHEELS+=(pyarrow==26.0.1); rm -f .whl/transformers-*.whl
-else WHEELS+=(transformers==5.23.0); rm -f .whl/pyarrow-*.whl; fi
+# never carried (the image has them; see the rule above): a wheel of one of these left in .whl/ is removed
+NEVER=(torch triton transformers huggingface-hub numpy accelerate peft pyarrow tokenizers safetensors)
 
 git check-ignore -q .whl/x.whl || { echo ".whl/ is not ignored by git: add /.whl/ to .gitignore" >&2; exit 1; }
 mkdir -p .whl
@@ -49,6 +50,12 @@ for f in .whl/*.whl; do
     keep=0
     for w in "${WHEELS[@]}"; do [ "${w/==/-}" = "$name" ] && keep=1; done
     [ $keep = 1 ] || { echo "removing $f (not in the list)"; rm -f "$f"; }
+done
+for f in .whl/*.whl; do  # the rule, checked on what is left (the list above could be edited by mistake)
+    dist=$(basename "$f" | cut -d- -f1 | tr '_' '-' | tr 'A-Z' 'a-z')
+    for n in "${NEVER[@]}"; do
+        [ "$dist" != "$n" ] || { echo "$f: $n is in the GPU image and is never carried" >&2; exit 1; }
+    done
 done
 
 dirty=$(git status --porcelain --untracked-files=no | head -c1)

@@ -141,5 +141,35 @@ def test_worker_writes_its_error(tmp_path, monkeypatch):
     assert json.loads(result.read_text())["error"] == "MemoryError: no room"
 
 
+def test_trainers_run_in_the_order_given(tmp_path, monkeypatch):
+    """`--trainers infinite trl` runs ours first (a time limit that cuts the run cuts GRPOTrainer, not ours), and our
+    row still gets its ratios to GRPOTrainer once that row arrives; the JSON and markdown exist after the first row."""
+    grpo_step = importlib.import_module("grpo_step")
+    probes = importlib.import_module("grpo_probes")
+    ran, seen_files = [], []
+    cpu = {"infinite": 2.0, "trl": 8.0}
+
+    def fake_worker(argv, result, env=None, tail=25):
+        kind = argv[argv.index("--worker") + 1]
+        seen_files.append((tmp_path / "g.json").exists() and (tmp_path / "g.md").exists())
+        ran.append(kind)
+        phases = dict.fromkeys(probes.PHASES, 0.1)
+        step = {"cpu_s": cpu[kind], "wall_s": cpu[kind] / 2, "phases_cpu": phases, "phases_wall": phases,
+                "inclusive_cpu": {}, "inclusive_wall": {}, "peak_rss_bytes": cpu[kind] * 1e9, "phase_peak_rss": {},
+                "peak_cuda_bytes": None, "rss_end_bytes": 0, "mean_len": 6.0}
+        return {"steps": [step, step], "process_peak_rss_bytes": 1e10, "uses_engine": kind == "infinite",
+                "config": {}}
+
+    monkeypatch.setattr(grpo_step, "run_subprocess", fake_worker)
+    grpo_step.main([*ARGS, "--trainers", "infinite", "trl", "--json", str(tmp_path / "g.json")])
+    assert ran == ["infinite", "trl"] and seen_files == [False, True]
+    rows = json.loads((tmp_path / "g.json").read_text())["rows"]
+    assert [r["trainer"] for r in rows] == ["InfiniteGRPOTrainer", "GRPOTrainer"]
+    assert rows[0]["x_trl_cpu"] == pytest.approx(0.25) and rows[0]["x_trl_wall"] == pytest.approx(0.25)
+    assert rows[0]["x_trl_rss"] == pytest.approx(0.25) and rows[1]["x_trl_cpu"] == 1.0
+    assert "| 4x2@12 | InfiniteGRPOTrainer |" in (tmp_path / "g.md").read_text()
+    assert grpo_step.run_order(["trl", "infinite", "trl"]) == ["trl", "infinite"]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
