@@ -97,8 +97,8 @@ def suffix_splits(num_seg: int, num_kv_heads: int, sms: int, head_tiles: int = 1
 
 
 def prefix_splits(num_seg: int, num_kv_heads: int, num_heads: int, head_dim_v: int, prompt_capacity: int,
-                  sms: int) -> int:
-    return tiles.prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
+                  sms: int, num_groups: int | None = None) -> int:
+    return tiles.prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms, num_groups)
 
 
 @functools.cache
@@ -162,7 +162,8 @@ def cascade_decode_attention(
     kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     f32 = dict(dtype=torch.float32, device=device)
     prompt_capacity = meta.prefix_table.shape[1] * meta.block_size
-    kv_splits = kv_splits or prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
+    kv_splits = kv_splits or prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms,
+                                           meta.num_groups)
     pre_o = torch.empty(num_tokens, num_heads, kv_splits, head_dim_v, **f32)
     pre_lse = torch.empty(num_tokens, num_heads, kv_splits, **f32)
     sinks = layer.sinks.float().contiguous() if layer.sinks is not None else pre_lse  # placeholder when absent
