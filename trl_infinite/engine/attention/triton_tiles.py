@@ -3,13 +3,15 @@
 Everything here is a function of shapes, dtypes and host ints only (never of device data; the prompt splits also of
 the batch's group count, bucketed, which the static decode step keys its graphs on), so a CUDA graph replays the
 launch it captured. The tile candidates per head-dim class are the ones `triton_compile` compiles for sm_90 and sm_80
-in CI (registers, shared memory and spills checked against the hardware limits): the first of each list is what runs
-without autotuning (Triton's CPU interpreter); on CUDA `triton.autotune` times the candidates on the first call of
-each (head dims, GQA, splits, dtype) and keeps the fastest (in the warm-up that precedes a graph capture).
+in CI (registers, shared memory and spills checked against the hardware limits; every candidate is spill-free
+under Triton 3.6 and 3.9, whose register allocations differ by up to ~40 per thread): the first of each list is what
+runs without autotuning (Triton's CPU interpreter); on CUDA `triton.autotune` times the candidates on the first call
+of each (head dims, GQA, splits, dtype) and keeps the fastest (in the warm-up that precedes a graph capture).
 
 Register budget behind the lists: the fp32 accumulator holds BLOCK_M x BLOCK_DV values and the score tile
 BLOCK_M x BLOCK_N, spread over 32 x num_warps threads; both together stay under ~96 registers per thread, so the
-row tile shrinks as the value width grows (64 rows up to Dv 128, 32 at 256, 16 at MLA's 512).
+row tile shrinks as the value width grows (64 rows up to Dv 128, 32 at 256, 16 at MLA's 512), and the prompt kernel
+runs 8 warps by default from Dv 256 (with 4, Triton 3.6 spills there at 255 registers).
 """
 
 from __future__ import annotations
@@ -58,12 +60,12 @@ def prefix_tiles(head_dim_k: int, head_dim_v: int) -> list[Tiles]:
     """Candidates of `_prefix_kernel` (rows = samples x GQA heads of a group)."""
     block_dv = value_block(head_dim_v)
     if block_dv <= 64:
-        return [Tiles(64, 32, 4, 2), Tiles(64, 64, 8, 2), Tiles(32, 64, 4, 3)]
+        return [Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 3), Tiles(64, 32, 8, 2)]
     if block_dv <= 128:
-        return [Tiles(32, 64, 4, 3), Tiles(64, 64, 8, 2), Tiles(32, 32, 4, 2)]
+        return [Tiles(32, 64, 4, 3), Tiles(32, 64, 8, 3), Tiles(32, 32, 4, 2)]
     if block_dv <= 256:
-        return [Tiles(32, 32, 4, 2), Tiles(32, 64, 8, 2), Tiles(16, 32, 4, 2)]
-    return [Tiles(16, 32, 4, 2), Tiles(16, 64, 8, 2), Tiles(32, 32, 8, 2)]
+        return [Tiles(32, 32, 8, 2), Tiles(16, 64, 8, 2), Tiles(16, 32, 4, 2)]
+    return [Tiles(16, 32, 8, 2), Tiles(16, 64, 8, 2), Tiles(16, 16, 4, 2)]
 
 
 def suffix_rows(gqa: int, head_dim_v: int) -> tuple[int, int]:
