@@ -294,8 +294,9 @@ def _merge_kernel(
 
 def _interpreter_range(*bounds) -> builtins.range:
     """`range` of the kernels' loops with device-data bounds under Triton's CPU interpreter. The interpreter holds a
-    scalar as a one-element numpy array and (Triton 3.6; later releases squeeze it) its `__index__` is `int(array)`: a TypeError since
-    numpy 2.4 (only 0-d arrays convert). The bounds are converted here instead (compiled kernels keep `range`)."""
+    scalar as a one-element numpy array, and Triton 3.6's `__index__` is `int(array)`: a TypeError since numpy 2.4
+    (only 0-d arrays convert; later Tritons squeeze first). The bounds are converted here instead; compiled kernels
+    keep the builtin `range`."""
     return builtins.range(*(int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(getattr(b, "value", b))
                             for b in bounds))
 
