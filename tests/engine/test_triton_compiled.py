@@ -62,7 +62,7 @@ def _op_args(sinks: bool):
     order, run_len = meta.cascade
     args = (q, k, v, order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
             meta.suffix_table, layer.sinks, meta.block_size, float(layer.scale), layer.softcap,
-            int(layer.sliding_window or 0), 0, 0, 0, 0)
+            int(layer.sliding_window or 0), 0, 0, 0, 0, 0)
     return args, meta, layer
 
 

@@ -79,6 +79,11 @@ class DecodeRows:
         return max(self._prompt, default=0)
 
     @property
+    def num_groups(self) -> int:
+        """Distinct prompts (group id, prompt blocks) among the rows: a host int, no device read."""
+        return len(self._slot_of)
+
+    @property
     def group_slots_used(self) -> int:
         """Group slots up to the highest one in use (the width of the prompt pass)."""
         return len(self._slot_key)

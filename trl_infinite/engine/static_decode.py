@@ -243,9 +243,13 @@ class StaticDecoder:
         if not captured:
             tables = [t.clone(memory_format=torch.contiguous_format) for t in tables]
         group_prefix = tables[2] if self.cascade_slots else None
+        # kernels that read whole tables (Triton's) size their prompt splits by the batch's group count: a bucket
+        # (host int) in the key, so a graph replays the splits it captured; 0 (unused) elsewhere
+        groups = tiles.group_bucket(rows.num_groups) if self.full_tables else 0
         args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
-                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix)
-        return args, (padded, pcols, ocols, slots)
+                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix,
+                groups)
+        return args, (padded, pcols, ocols, slots, groups)
 
     def _run(self, args, compiled: bool = True):
         with self.runner.routed():
@@ -254,14 +258,14 @@ class StaticDecoder:
             return self._compiled(self._compile_key(args), *args)
 
     def _compile_key(self, args) -> tuple:
-        """One compiled entry per (bucket, group slots, sampling settings, hidden states wanted, seen tokens kept),
-        dispatched without Dynamo's guards after its first call (`CompiledStep`)."""
+        """One compiled entry per (bucket, group slots, group count bucket, sampling settings, hidden states wanted,
+        seen tokens kept), dispatched without Dynamo's guards after its first call (`CompiledStep`)."""
         if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
             torch._dynamo.maybe_mark_dynamic(args[4], 1)
             torch._dynamo.maybe_mark_dynamic(args[5], 1)
             if args[9] is not None:
                 torch._dynamo.maybe_mark_dynamic(args[9], 1)
-        return (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], self.sampler.params_key,
+        return (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], args[10], self.sampler.params_key,
                 self.want_hidden, args[6] is None)
 
     def _record(self, args, compiled: bool = True):
@@ -274,14 +278,14 @@ class StaticDecoder:
             return entry(*args) if entry is not None else self._compiled.guarded(*args)
 
     def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed, group_slot,
-              group_prefix):
+              group_prefix, groups: int):
         """The static region: [2, N] inputs and per-row state in; the sampled tokens and their log-probs packed
         into one [2, N] float64 tensor ([3, N] with raw log-probs; ids are exact in float64) and the hidden states
         (or None) out. Advances the rows for the next step on the device: input token := the sampled token,
         position + 1, the token marked seen (padding rows, group -1, keep position 0)."""
         ids, pos = inputs[0], inputs[1]
         meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size, group_slot,
-                               group_prefix)
+                               group_prefix, groups or None)
         logits, hidden = self.runner.run(ids[None], pos[None], meta, 0, self.want_hidden)
         logprobs = self.sampler.process(logits, seen)
         keys = row_keys(seed, group, sample, pos + 1)

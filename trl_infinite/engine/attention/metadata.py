@@ -83,6 +83,9 @@ class PagedAttentionMetadata:
     suffix_table: torch.Tensor  # [S, Ws]
     seg_group: torch.Tensor  # [S] group index of each segment
     max_q_len: int  # host int: 1 for decode forwards
+    # host int: the distinct prompts (groups) of the segments, or an upper bound of them (the static decode step
+    # passes a power-of-two bucket, `triton_tiles.group_bucket`); sizes the Triton prompt splits. None: unknown
+    num_groups: int | None = None
     context: ContextPlan | None = None  # filled by `with_context` for the torch backend
     cascade: tuple[torch.Tensor, torch.Tensor] | None = None  # Triton backend: (order, run_len), see `cascade_plan`
     row_group_slot: torch.Tensor | None = None  # [S] decode: slot of each row's group in `group_prefix_table`
@@ -232,6 +235,7 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
         suffix_table=to(suffix_table),
         seg_group=to(torch.tensor([s.group_index for s in segments], dtype=torch.long)),
         max_q_len=int(q_lens.max()),
+        num_groups=len({(s.group_index, s.prompt_len, tuple(s.prefix_blocks)) for s in segments}),
         copy_slots=(to(copies[:, 0]), to(copies[:, 1])) if copies.numel() else None,
     )
     return to(input_ids)[None], to(q_pos)[None], meta
@@ -246,6 +250,7 @@ def decode_metadata(
     block_size: int,
     row_group_slot: torch.Tensor | None = None,  # [N] slot of each row's group in `group_prefix_table`
     group_prefix_table: torch.Tensor | None = None,  # [Gb, Wp] prompt blocks per group slot (cascade decode)
+    num_groups: int | None = None,  # host int: the rows' distinct prompts, or a bucket above (Triton prompt splits)
 ) -> PagedAttentionMetadata:
     """Metadata of a decode forward (one query per row) from device tensors only: no host sync, static shapes.
     With the group slots, the torch backend attends each group's prompt once for all its rows (`CascadePlan`)."""
@@ -263,6 +268,7 @@ def decode_metadata(
         suffix_table=suffix_table,
         seg_group=groups,
         max_q_len=1,
+        num_groups=num_groups,
         row_group_slot=row_group_slot,
         group_prefix_table=group_prefix_table,
     )

@@ -115,8 +115,8 @@ def suffix_splits(num_seg: int, num_kv_heads: int, sms: int, head_tiles: int = 1
 
 
 def prefix_splits(num_seg: int, num_kv_heads: int, num_heads: int, head_dim_v: int, prompt_capacity: int,
-                  sms: int) -> int:
-    return tiles.prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
+                  sms: int, num_groups: int | None = None) -> int:
+    return tiles.prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms, num_groups)
 
 
 @functools.cache
@@ -174,7 +174,7 @@ def launch_cascade(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, order: torch.Tensor, run_len: torch.Tensor,
     q_start: torch.Tensor, q_pos: torch.Tensor, prompt_lens: torch.Tensor, prefix_table: torch.Tensor,
     suffix_table: torch.Tensor, sinks: torch.Tensor | None, block_size: int, scale: float, softcap: float | None,
-    sliding_window: int, chunk_size: int, autocast: int, kv_splits: int, splits: int,
+    sliding_window: int, chunk_size: int, autocast: int, kv_splits: int, splits: int, num_groups: int,
 ) -> torch.Tensor:
     """The kernel launches of `cascade_decode_attention` (the op's body, run eagerly; see `triton_op` for the
     arguments)."""
@@ -199,7 +199,8 @@ def launch_cascade(
     kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     f32 = dict(dtype=torch.float32, device=device)
     prompt_capacity = prefix_table.shape[1] * block_size
-    kv_splits = kv_splits or prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms)
+    kv_splits = kv_splits or prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms,
+                                           num_groups or None)
     pre_o = torch.empty(num_tokens, num_heads, kv_splits, head_dim_v, **f32)
     pre_lse = torch.empty(num_tokens, num_heads, kv_splits, **f32)
     has_sinks = sinks is not None

@@ -40,8 +40,11 @@ no value (m = sink * log2(e), l = 1, acc = 0), which the log-sum-exp merges then
 
 from __future__ import annotations
 
+import builtins
+
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -287,3 +290,16 @@ def _merge_kernel(
     o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM_V + d[None, :], mask=d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_outt + h * stride_outh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _interpreter_range(*bounds) -> builtins.range:
+    """`range` of the kernels' loops with device-data bounds under Triton's CPU interpreter. The interpreter holds a
+    scalar as a one-element numpy array, and Triton 3.6's `__index__` is `int(array)`: a TypeError since numpy 2.4
+    (only 0-d arrays convert; later Tritons squeeze first). The bounds are converted here instead; compiled kernels
+    keep the builtin `range`."""
+    return builtins.range(*(int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(getattr(b, "value", b))
+                            for b in bounds))
+
+
+if isinstance(_prefix_kernel, InterpretedFunction):  # TRITON_INTERPRET=1 at import
+    range = _interpreter_range  # noqa: A001 (the name the kernels' loops look up in this module's globals)

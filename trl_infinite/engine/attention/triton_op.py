@@ -55,9 +55,11 @@ def triton_cascade_decode(
     autocast: int,  # index into AUTOCAST_DTYPES
     kv_splits: int,  # 0: the heuristic's (`triton_tiles.prefix_splits`)
     splits: int,  # 0: the heuristic's (`triton_tiles.suffix_splits`)
+    num_groups: int,  # the rows' distinct prompts (or a bucket above), 0: unknown (`PagedAttentionMetadata.num_groups`)
 ) -> torch.Tensor:  # [T, H, Dv] in the pool's dtype
     return _body(query, k_cache, v_cache, order, run_len, q_start, q_pos, prompt_lens, prefix_table, suffix_table,
-                 sinks, block_size, scale, softcap, sliding_window, chunk_size, autocast, kv_splits, splits)
+                 sinks, block_size, scale, softcap, sliding_window, chunk_size, autocast, kv_splits, splits,
+                 num_groups)
 
 
 def _body(*args) -> torch.Tensor:
@@ -68,7 +70,7 @@ def _body(*args) -> torch.Tensor:
 
 @triton_cascade_decode.register_fake
 def _(query, k_cache, v_cache, order, run_len, q_start, q_pos, prompt_lens, prefix_table, suffix_table, sinks,
-      block_size, scale, softcap, sliding_window, chunk_size, autocast, kv_splits, splits):
+      block_size, scale, softcap, sliding_window, chunk_size, autocast, kv_splits, splits, num_groups):
     return query.new_empty((query.shape[0], query.shape[1], v_cache.shape[2]), dtype=k_cache.dtype)
 
 
@@ -83,7 +85,7 @@ def cascade_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     args = (query, k_cache, v_cache, order, run_len, meta.q_start, meta.q_pos, meta.prompt_lens, meta.prefix_table,
             meta.suffix_table, layer.sinks, meta.block_size, float(layer.scale),
             None if layer.softcap is None else float(layer.softcap), int(layer.sliding_window or 0),
-            int(layer.chunk_size or 0), autocast_code(query.device.type), kv_splits, splits)
+            int(layer.chunk_size or 0), autocast_code(query.device.type), kv_splits, splits, meta.num_groups or 0)
     if torch.compiler.is_compiling():
         return triton_cascade_decode(*args)
     return _body(*args)  # eager: the same body without the dispatcher's Python round trip (tens of us per layer)

@@ -1,14 +1,17 @@
 """Launch configurations of the Triton decode kernels: tiles, warps, pipeline stages, split counts, dot precision.
 
-Everything here is a function of shapes and dtypes only (never of device data), so a CUDA graph replays the launch
-it captured. The tile candidates per head-dim class are the ones `triton_compile` compiles for sm_90 and sm_80 in CI
-(registers, shared memory and spills checked against the hardware limits): the first of each list is what runs
-without autotuning (Triton's CPU interpreter); on CUDA `triton.autotune` times the candidates on the first call of
-each (head dims, GQA, splits, dtype) and keeps the fastest (in the warm-up that precedes a graph capture).
+Everything here is a function of shapes, dtypes and host ints only (never of device data; the prompt splits also of
+the batch's group count, bucketed, which the static decode step keys its graphs on), so a CUDA graph replays the
+launch it captured. The tile candidates per head-dim class are the ones `triton_compile` compiles for sm_90 and sm_80
+in CI (registers, shared memory and spills checked against the hardware limits; every candidate is spill-free
+under Triton 3.6 and 3.9, whose register allocations differ by up to ~40 per thread): the first of each list is what
+runs without autotuning (Triton's CPU interpreter); on CUDA `triton.autotune` times the candidates on the first call
+of each (head dims, GQA, splits, dtype) and keeps the fastest (in the warm-up that precedes a graph capture).
 
 Register budget behind the lists: the fp32 accumulator holds BLOCK_M x BLOCK_DV values and the score tile
 BLOCK_M x BLOCK_N, spread over 32 x num_warps threads; both together stay under ~96 registers per thread, so the
-row tile shrinks as the value width grows (64 rows up to Dv 128, 32 at 256, 16 at MLA's 512).
+row tile shrinks as the value width grows (64 rows up to Dv 128, 32 at 256, 16 at MLA's 512), and the prompt kernel
+runs 8 warps by default from Dv 256 (with 4, Triton 3.6 spills there at 255 registers).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 MAX_PREFIX_SPLITS = 16  # KV splits of a shared prompt
 MIN_SPLIT_TOKENS = 256  # a prompt split covers at least this many positions (fewer: not worth a program)
-PREFIX_GROUP_ESTIMATE = 16  # samples per prompt assumed when sizing the prompt splits (GRPO's G is usually >= 8)
+PREFIX_GROUP_ESTIMATE = 16  # samples per prompt assumed for the prompt splits when the group count is unknown
 MAX_SUFFIX_SPLITS = 16  # split-K of long own contexts when there are too few (segment, KV head) programs
 MAX_PARTIAL_BYTES = 64 << 20  # fp32 partial outputs of one layer's split prompt: a cap on the splits
 
@@ -57,12 +60,12 @@ def prefix_tiles(head_dim_k: int, head_dim_v: int) -> list[Tiles]:
     """Candidates of `_prefix_kernel` (rows = samples x GQA heads of a group)."""
     block_dv = value_block(head_dim_v)
     if block_dv <= 64:
-        return [Tiles(64, 32, 4, 2), Tiles(64, 64, 8, 2), Tiles(32, 64, 4, 3)]
+        return [Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 3), Tiles(64, 32, 8, 2)]
     if block_dv <= 128:
-        return [Tiles(32, 64, 4, 3), Tiles(64, 64, 8, 2), Tiles(32, 32, 4, 2)]
+        return [Tiles(32, 64, 4, 3), Tiles(32, 64, 8, 3), Tiles(32, 32, 4, 2)]
     if block_dv <= 256:
-        return [Tiles(32, 32, 4, 2), Tiles(32, 64, 8, 2), Tiles(16, 32, 4, 2)]
-    return [Tiles(16, 32, 4, 2), Tiles(16, 64, 8, 2), Tiles(32, 32, 8, 2)]
+        return [Tiles(32, 32, 8, 2), Tiles(16, 64, 8, 2), Tiles(16, 32, 4, 2)]
+    return [Tiles(16, 32, 8, 2), Tiles(16, 64, 8, 2), Tiles(16, 16, 4, 2)]
 
 
 def suffix_rows(gqa: int, head_dim_v: int) -> tuple[int, int]:
@@ -88,12 +91,20 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def group_bucket(num_groups: int) -> int:
+    """The number of distinct prompts (groups) of a decode batch rounded up to a power of two: the host int the
+    prompt splits are sized by, and part of the static decode step's graph / compile key (so a captured graph
+    replays the split count it captured, and a few buckets cover every batch)."""
+    return 1 << (max(num_groups, 1) - 1).bit_length()
+
+
 def prefix_splits(num_seg: int, num_kv_heads: int, num_heads: int, head_dim_v: int, prompt_capacity: int,
-                  sms: int) -> int:
-    """Power-of-two KV splits of the shared prompts: enough programs for about two waves over `sms` when the
-    rows come in groups of `PREFIX_GROUP_ESTIMATE`, at least `MIN_SPLIT_TOKENS` of the table's prompt capacity per
-    split, partial outputs under `MAX_PARTIAL_BYTES`."""
-    groups = -(-num_seg // PREFIX_GROUP_ESTIMATE)
+                  sms: int, num_groups: int | None = None) -> int:
+    """Power-of-two KV splits of the shared prompts: enough programs for about two waves over `sms` with one
+    program per (group, KV head, split), at least `MIN_SPLIT_TOKENS` of the table's prompt capacity per split, partial
+    outputs under `MAX_PARTIAL_BYTES`. `num_groups`: the batch's distinct prompts (host int, bucketed by
+    `group_bucket`); None: unknown, groups of `PREFIX_GROUP_ESTIMATE` samples assumed."""
+    groups = group_bucket(num_groups) if num_groups is not None else -(-num_seg // PREFIX_GROUP_ESTIMATE)
     want = min(MAX_PREFIX_SPLITS, -(-2 * sms // (num_kv_heads * groups)), -(-prompt_capacity // MIN_SPLIT_TOKENS))
     memory = MAX_PARTIAL_BYTES // max(num_seg * num_heads * head_dim_v * 4, 1)
     return _pow2_floor(max(1, min(want, memory)))
