@@ -24,6 +24,7 @@ import torch
 from _models import reference_greedy, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.compiled_step import fast_dispatch_supported
 from trl_infinite.engine.cuda_graphs import CaptureError
 from trl_infinite.engine.graph_emulation import GraphEmulator, emulate_cuda_graphs
 from trl_infinite.engine.step_graphs import StepGraphs
@@ -101,6 +102,12 @@ def test_graphs_of_triton_kernels_and_compiled_steps(kw):
     """The Triton cascade kernels (their launches are graph nodes), a compiled step (its compiled graph called
     without entering Dynamo) and both (the kernels' custom op inside the compiled graph) capture and replay
     token-identically."""
+    if kw.get("compile") and kw.get("attention_backend") == "triton" and not fast_dispatch_supported():
+        # without the direct dispatch the capture calls the guarded compiled function, which Dynamo traces again
+        # under the emulator's dispatch mode, into the interpreter's kernel launch: an emulator limit (a CUDA capture
+        # has no dispatch mode), covered without graphs by test_triton_compiled.py
+        pytest.skip(f"torch {torch.__version__}: the capture emulation of a compiled Triton step needs the direct "
+                    "dispatch (compiled_step.FAST_DISPATCH_TORCH)")
     model = tiny_model("qwen3")
     refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
     engine, emu = _engine(model, **kw)

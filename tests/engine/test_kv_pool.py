@@ -219,11 +219,12 @@ def test_reserved_range_keeps_addresses_and_gives_memory_back():
     b[:10].fill_(2.0)
     assert _rss_bytes() - base > 40 * mib and region.mapped_bytes == 48 * mib + region.granularity
     region.map([64 * mib, 100])  # grows in place: the backed part keeps its contents
-    assert a[: 12 * mib // 4].eq(1.0).all() and a[12 * mib // 4 :].eq(0).all()
+    head, tail = a[: 12 * mib // 4], a[12 * mib // 4 :]  # (checked by reductions: no large temporaries in the RSS)
+    assert head.min() == head.max() == 1.0 and tail.min() == tail.max() == 0.0
     region.unmap()
     assert region.mapped_bytes == 0 and _rss_bytes() - base < 8 * mib
     region.map([64 * mib, 100])
-    assert (a.data_ptr(), b.data_ptr()) == addresses and a.eq(0).all() and b[:10].eq(0).all()
+    assert (a.data_ptr(), b.data_ptr()) == addresses and a.min() == a.max() == 0.0 and not b[:10].any()
 
 
 def test_stable_pool_keeps_its_addresses_across_sizes_and_grows_in_place():
