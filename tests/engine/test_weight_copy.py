@@ -10,7 +10,7 @@ autocast run each rollout on a 16-bit copy of the tensors autocast casts.
   `keep_pool=True` the copy is kept (same storage, not re-made) until `release_pool()`, refreshed in place when the
   weights change.
 - Budget: the copy's bytes are reserved in the KV budget while it is not held; `RolloutStats.weight_copy_bytes`.
-- When it is off: 'auto' off CUDA, 'off', no autocast, 16-bit weights; a model that reads a Linear weight outside
+- When it is off: 'off', no autocast, 16-bit weights; a model that reads a Linear weight outside
   autocast's casts fails the construction check and runs on its float32 weights, with a warning.
 """
 
@@ -108,7 +108,7 @@ def test_greedy_on_the_copy_is_identical(model_type, head_dim, seed, dtype, tied
         refs = [reference(model, p, eos) for p in ps]
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[eos])
     plain, base, base_rec = _run(model, "off", ps, sampling, dtype)
-    engine, got, rec = _run(model, "on", ps, sampling, dtype)
+    engine, got, rec = _run(model, "auto", ps, sampling, dtype)
     assert plain.weight_copy is None and engine.weight_copy is not None
     assert got.completion_ids == base.completion_ids == [r for r in refs for _ in range(G)]
     assert got.logprobs == base.logprobs
@@ -122,7 +122,7 @@ def test_sampled_output_on_the_copy_is_identical():
     model = _model("llama", 1)
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=20, seed=7)
     _, base, _ = _run(model, "off", prompts(1), sampling)
-    _, got, _ = _run(model, "on", prompts(1), sampling)
+    _, got, _ = _run(model, "auto", prompts(1), sampling)
     assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs
 
 
@@ -136,7 +136,7 @@ def test_lora_model_on_the_copy_is_identical():
     assert {id(layer.base_layer), id(layer.lora_A["default"]), id(layer.lora_B["default"])} <= copied
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     _, base, _ = _run(lora, "off", prompts(1), sampling)
-    engine, got, _ = _run(lora, "on", prompts(1), sampling)
+    engine, got, _ = _run(lora, "auto", prompts(1), sampling)
     assert engine.weight_copy is not None
     assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs
 
@@ -144,7 +144,7 @@ def test_lora_model_on_the_copy_is_identical():
 def test_the_copy_is_freed_after_the_call():
     model = _model("llama", 1)
     originals = {(id(m), n): p for m, n, p in copy_targets(model)}
-    engine, _, rec = _run(model, "on", prompts(1), SamplingParams(max_new_tokens=4, temperature=0.0))
+    engine, _, rec = _run(model, "auto", prompts(1), SamplingParams(max_new_tokens=4, temperature=0.0))
     gc.collect()
     assert rec.dtypes == {BF16} and all(r() is None for r in rec.weights)  # every copy tensor is gone
     assert engine.weight_copy.tensors() == [] and engine.pool.reserve_bytes == engine.weight_copy.nbytes
@@ -156,7 +156,7 @@ def test_the_copy_is_kept_with_the_pool_and_refreshed_when_weights_change():
     model = _model("llama", 1)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
     with torch.autocast("cpu", dtype=BF16):
-        engine = RolloutEngine(model, _config("on"))
+        engine = RolloutEngine(model, _config("auto"))
         copy = engine.weight_copy
         engine.generate(prompts(1), 2, sampling, keep_pool=True)
         held = [t.data_ptr() for t in copy.tensors()]
@@ -174,8 +174,8 @@ def test_the_copy_is_kept_with_the_pool_and_refreshed_when_weights_change():
     assert changed.completion_ids == fresh.completion_ids and changed.logprobs == fresh.logprobs
 
 
-@pytest.mark.parametrize("mode, weights, autocast", [("auto", torch.float32, BF16), ("off", torch.float32, BF16),
-                                                     ("on", torch.float32, None), ("on", BF16, BF16)])
+@pytest.mark.parametrize("mode, weights, autocast", [("off", torch.float32, BF16), ("auto", torch.float32, None),
+                                                     ("auto", BF16, BF16)])
 def test_no_copy_where_it_cannot_help(mode, weights, autocast):
     model = tiny_model("llama").to(weights)
     with torch.autocast("cpu", dtype=BF16, enabled=autocast is not None):
@@ -186,7 +186,7 @@ def test_no_copy_where_it_cannot_help(mode, weights, autocast):
 
 
 def test_weight_copy_setting_is_validated():
-    with pytest.raises(ValueError, match="`weight_copy`.*'auto', 'on', 'off'"):
+    with pytest.raises(ValueError, match="`weight_copy`.*'auto', 'off'"):
         EngineConfig(weight_copy="always")
 
 
@@ -205,6 +205,6 @@ def test_a_model_computing_differently_on_the_copy_keeps_its_float32_weights():
     model = _model("llama", 1)
     model.model.layers[0].mlp = _ReadsItsWeight(model.model.layers[0].mlp)
     with torch.autocast("cpu", dtype=BF16), pytest.warns(UserWarning, match="computes differently on a bfloat16"):
-        engine = RolloutEngine(model, _config("on"))
+        engine = RolloutEngine(model, _config("auto"))
     assert engine.weight_copy is None
     assert all(p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter) for p in model.parameters())

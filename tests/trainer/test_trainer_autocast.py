@@ -120,14 +120,14 @@ def test_refusal_at_the_first_rollout_warns_accurately(tmp_path, tokenizer):
 
 
 def test_weight_copy_is_gone_before_the_backward(tmp_path, tokenizer, dataset):
-    """`rollout_weight_copy="on"` (CPU): rollouts run on a bf16 copy of the Linear weights (bf16 autocast, float32
+    """`rollout_weight_copy="auto"` (the default; CPU): rollouts run on a bf16 copy of the Linear weights (bf16 autocast, float32
     weights), and the copy is freed before the loss's backward: no copy tensor alive, every module back on its float32
     Parameter, the training forward on float32 weights."""
     import gc
     import weakref
 
     model = build_tiny_model("llama", seed=1, size=sizes(16)).train()
-    args = cpu_args(tmp_path, bf16=True, max_steps=2, rollout_weight_copy="on")
+    args = cpu_args(tmp_path, bf16=True, max_steps=2)
     trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
                                   processing_class=tokenizer)
     seen: list[tuple[torch.dtype, weakref.ref]] = []

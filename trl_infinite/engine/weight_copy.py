@@ -94,9 +94,10 @@ class WeightCopy:
     def for_engine(cls, model: nn.Module, mode: str, device: torch.device,
                    autocast: torch.dtype | None) -> WeightCopy | None:
         """The copy an engine runs on, or None: `mode` 'off', no 16-bit autocast inside the forward (`autocast`:
-        the support probe's), 'auto' off CUDA (the cast's bytes matter where the step is bandwidth-bound), or no
-        float32 weight autocast casts."""
-        if mode == "off" or autocast not in HALF or (mode == "auto" and device.type != "cuda"):
+        the support probe's), or no float32 weight autocast casts. On every device: on CUDA the cast's bytes decide
+        a bandwidth-bound step; on CPU the cast is work of its own (`benchmarks/weight_copy.py`: 0.67x the decode step
+        time of SmolLM2-135M's shape, one thread)."""
+        if mode == "off" or autocast not in HALF:
             return None
         copy = cls(model, autocast)
         return copy if copy.targets else None
