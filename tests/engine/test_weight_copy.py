@@ -208,3 +208,23 @@ def test_a_model_computing_differently_on_the_copy_keeps_its_float32_weights():
         engine = RolloutEngine(model, _config("auto"))
     assert engine.weight_copy is None
     assert all(p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter) for p in model.parameters())
+
+
+def test_a_module_replaced_after_construction_is_copied_as_it_is_now():
+    """The targets are found again at every call: a Linear replaced since the engine was built (an adapter, a new
+    head) runs on a copy of its own weight, and gets its own Parameter back afterwards."""
+    model = _model("llama", 2)
+    ps, sampling = prompts(2), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    with torch.autocast("cpu", dtype=BF16):
+        engine = RolloutEngine(model, _config("auto"))
+        torch.manual_seed(5)
+        head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        model.lm_head = head
+        ran_on = set()
+        hook = head.register_forward_hook(lambda module, args, out: ran_on.add(module.weight.dtype))
+        got = engine.generate(ps, 2, sampling)
+        hook.remove()
+        assert ran_on == {BF16}
+        base = RolloutEngine(model, _config("off")).generate(ps, 2, sampling)
+    assert model.lm_head is head and isinstance(head.weight, torch.nn.Parameter) and head.weight.dtype == torch.float32
+    assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs

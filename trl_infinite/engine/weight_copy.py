@@ -78,7 +78,8 @@ def copy_targets(model: nn.Module) -> list[Target]:
 
 class WeightCopy:
     """The 16-bit copy of `copy_targets(model)` for one engine (see the module docstring). Distinct Parameters are
-    copied once (a weight shared by two Linear modules has one copy)."""
+    copied once (a weight shared by two Linear modules has one copy). The targets are found again at every `refresh`
+    (a module or Parameter replaced since, an adapter added: the copy follows the model as it is at the call)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         if dtype not in HALF:
@@ -130,7 +131,8 @@ class WeightCopy:
     def refresh(self) -> None:
         """Make the copy, or bring a held one up to date in place when the float32 weights changed (an optimizer
         step, a weight load, parameters gathered into new storage) since it was made."""
-        fingerprint = self._weights_fingerprint()
+        self.targets = copy_targets(self.model)
+        fingerprint = (tuple(id(p) for p in self.params), self._weights_fingerprint())
         if self.allocated and fingerprint == self._fingerprint:
             return
         with torch.no_grad():
@@ -140,6 +142,8 @@ class WeightCopy:
                     self._copies[id(p)] = p.detach().to(self.dtype)
                 else:
                     held.copy_(p.detach())
+            live = {id(p) for p in self.params}
+            self._copies = {k: t for k, t in self._copies.items() if k in live}
         self._fingerprint = fingerprint
         self.refreshes += 1
 
@@ -152,7 +156,7 @@ class WeightCopy:
     def swapped(self) -> Iterator[None]:
         """The model's copied modules hold the 16-bit copies instead of their float32 Parameters, for the body only
         (`refresh` first); the float32 Parameters are put back on every exit path."""
-        if not self.allocated:
+        if self.targets and not self.allocated:
             raise RuntimeError("WeightCopy.swapped() before refresh(): no copy is held.")
         try:
             for module, name, param in self.targets:
