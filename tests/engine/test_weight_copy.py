@@ -228,3 +228,52 @@ def test_a_module_replaced_after_construction_is_copied_as_it_is_now():
         base = RolloutEngine(model, _config("off")).generate(ps, 2, sampling)
     assert model.lm_head is head and isinstance(head.weight, torch.nn.Parameter) and head.weight.dtype == torch.float32
     assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs
+
+
+def test_captured_steps_on_the_copy():
+    """CUDA graphs (the CPU emulator): the captured step reads the copy. With the pool kept between calls the copy is
+    refreshed in place after a weight update: no graph is recaptured for it, and the replays follow the new weights;
+    every call's output equals the same captured decoding on the float32 weights."""
+    from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
+
+    model = _model("llama", 2)
+    ps, sampling = prompts(2), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    with torch.autocast("cpu", dtype=BF16):
+        with emulate_cuda_graphs() as emu:
+            engine = RolloutEngine(model, _config("auto", kv_cache_release=False))
+        with emulate_cuda_graphs():
+            plain = RolloutEngine(model, _config("off", kv_cache_release=False))
+        assert engine.decoder.use_graphs and plain.decoder.use_graphs and engine.weight_copy is not None
+        outputs = []
+        for _ in range(2):
+            got, base = engine.generate(ps, 2, sampling), plain.generate(ps, 2, sampling)
+            outputs.append((got, base, emu.counts["captures"], [t.data_ptr() for t in engine.weight_copy.tensors()]))
+            with torch.no_grad():
+                model.lm_head.weight.mul_(-1.0)  # an optimizer step, in place
+    (first, base1, captures1, held1), (second, base2, captures2, held2) = outputs
+    assert first.completion_ids == base1.completion_ids and second.completion_ids == base2.completion_ids
+    assert first.logprobs == base1.logprobs and second.logprobs == base2.logprobs
+    assert first.completion_ids != second.completion_ids  # the replays read the refreshed copy
+    assert emu.counts["replays"] > 0 and captures1 > 0 and captures2 == captures1 and held2 == held1
+    assert not emu.counts["moved_storage"] and engine.decoder.graphs.recaptures == 0
+
+
+def test_captured_steps_on_a_copy_made_per_call():
+    """The default `kv_cache_release=True`: each call makes its copy (and pool) anew and frees it; the graphs follow
+    (recaptured on the new storage, never replayed on freed memory) and equal the captured float32 decoding."""
+    from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
+
+    model = _model("llama", 2)
+    ps, sampling = prompts(2), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    with torch.autocast("cpu", dtype=BF16):
+        with emulate_cuda_graphs() as emu:
+            engine = RolloutEngine(model, _config("auto"))
+        with emulate_cuda_graphs():
+            plain = RolloutEngine(model, _config("off"))
+        for _ in range(2):
+            got, base = engine.generate(ps, 2, sampling), plain.generate(ps, 2, sampling)
+            assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs
+            assert engine.weight_copy.tensors() == []
+            with torch.no_grad():
+                model.lm_head.weight.mul_(-1.0)
+    assert emu.counts["replays"] > 0 and not emu.counts["moved_storage"]
