@@ -277,3 +277,29 @@ def test_captured_steps_on_a_copy_made_per_call():
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)
     assert emu.counts["replays"] > 0 and not emu.counts["moved_storage"]
+
+
+def test_compiled_step_on_the_copy_follows_each_call():
+    """`compile=True` (Dynamo, 'eager' backend): the compiled decode step runs on each call's copy, follows a weight
+    update between calls, and keeps no copy alive after the call."""
+    model = _model("llama", 2)
+    ps, sampling = prompts(2), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    with torch.autocast("cpu", dtype=BF16):
+        engine = RolloutEngine(model, _config("auto", compile=True, compile_backend="eager"))
+        plain = RolloutEngine(model, _config("off"))
+        outs = []
+        for _ in range(2):
+            held: list[weakref.ref] = []
+
+            def step(batch, seconds, held=held):
+                held.extend(weakref.ref(t) for t in engine.weight_copy.tensors())
+
+            got = engine.generate(ps, 2, sampling, on_decode_step=step)
+            base = plain.generate(ps, 2, sampling)
+            assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs
+            outs.append(got.completion_ids)
+            gc.collect()
+            assert held and all(r() is None for r in held)  # the compiled step holds no copy
+            with torch.no_grad():
+                model.lm_head.weight.mul_(-1.0)
+    assert outs[0] != outs[1]
