@@ -24,7 +24,7 @@ import torch
 from _models import tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.weight_copy import WeightCopy, copy_targets
+from trl_infinite.engine.weight_copy import WeightCopy, build_weight_copy, copy_targets
 from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference
 from trl_infinite.testing.tiny_configs import build_tiny_model, sizes
 
@@ -204,7 +204,7 @@ class _ReadsItsWeight(torch.nn.Module):
 def test_a_model_computing_differently_on_the_copy_keeps_its_float32_weights():
     model = _model("llama", 1)
     model.model.layers[0].mlp = _ReadsItsWeight(model.model.layers[0].mlp)
-    with torch.autocast("cpu", dtype=BF16), pytest.warns(UserWarning, match="computes differently on a bfloat16"):
+    with torch.autocast("cpu", dtype=BF16), pytest.warns(UserWarning, match="it computes differently on a bfloat16"):
         engine = RolloutEngine(model, _config("auto"))
     assert engine.weight_copy is None
     assert all(p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter) for p in model.parameters())
@@ -303,3 +303,22 @@ def test_compiled_step_on_the_copy_follows_each_call():
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)
     assert outs[0] != outs[1]
+
+
+class _Noisy(torch.nn.Module):
+    """An MLP with a nondeterministic output (as atomics can make a GPU forward): the check cannot judge it."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, hidden_states):
+        return self.mlp(hidden_states) + 1e-3 * torch.rand_like(hidden_states)
+
+
+def test_a_nondeterministic_forward_keeps_its_float32_weights():
+    model = _model("llama", 1)
+    model.model.layers[0].mlp = _Noisy(model.model.layers[0].mlp)
+    with torch.autocast("cpu", dtype=BF16), pytest.warns(UserWarning, match="nondeterministic forward"):
+        copy = build_weight_copy(model, "auto", torch.device("cpu"), BF16, model.config.vocab_size)
+    assert copy is None

@@ -187,22 +187,26 @@ def probe_ids(vocab_size: int, device: torch.device, length: int = 12) -> torch.
 
 def check_exact(copy: WeightCopy, vocab_size: int, device: torch.device) -> bool:
     """Whether a forward of the model on the copy gives bit-identical logits to one on the float32 weights (under
-    the autocast the caller runs in); warns and returns False otherwise. Call with the model in eval mode and under
+    the autocast the caller runs in); warns and returns False otherwise (also when two forwards on the float32 weights
+    already differ: a nondeterministic forward cannot be judged). Call with the model in eval mode and under
     `torch.inference_mode()`; the copy is released afterwards."""
     ids = probe_ids(vocab_size, device)
     reference = copy.model(input_ids=ids, use_cache=False).logits
+    again = copy.model(input_ids=ids, use_cache=False).logits
     copy.refresh()
     try:
         with copy.swapped():
             got = copy.model(input_ids=ids, use_cache=False).logits
     finally:
         copy.release()
-    if got.dtype == reference.dtype and torch.equal(got, reference):
+    if not torch.equal(again, reference):
+        why = "two forwards on its float32 weights differ (a nondeterministic forward), so the copy cannot be checked"
+    elif got.dtype == reference.dtype and torch.equal(got, reference):
         return True
-    warnings.warn(
-        f"`weight_copy`: this model computes differently on a {str(copy.dtype).removeprefix('torch.')} copy of its "
-        "Linear weights than on its float32 weights under autocast (it reads a weight outside the ops autocast "
-        "casts); the rollout runs on the float32 weights.", UserWarning, stacklevel=3)
+    else:
+        why = (f"it computes differently on a {str(copy.dtype).removeprefix('torch.')} copy of its Linear weights than "
+               "on its float32 weights under autocast (it reads a weight outside the ops autocast casts)")
+    warnings.warn(f"`weight_copy`: {why}; the rollout runs on the float32 weights.", UserWarning, stacklevel=3)
     return False
 
 
