@@ -34,7 +34,8 @@ FinishCallback = Callable[[int, int, list[int]], None]
 
 
 class RolloutEngine:
-    """Generates `num_generations` completions for each prompt with the model's current weights (no copy).
+    """Generates `num_generations` completions for each prompt with the model's current weights (no copy kept across
+    calls; float32 weights under 16-bit autocast run each call on a 16-bit copy of what autocast casts: `weight_copy`).
 
     The KV pool is allocated once, at construction, from `config`'s budget and reused by every `generate` call.
     Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
