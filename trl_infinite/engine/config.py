@@ -87,9 +87,9 @@ class DecodeConfig(Section):
         "warning and the torch path. False: always the torch path. Ignored off CPU.",
         ("engine/engine.py", f"{_SPEC}draft_model.py"))
     weight_copy: str = setting(
-        "auto", "Float32 weights under bfloat16 / float16 autocast (mixed precision): each rollout runs on a 16-bit copy "
-        "of the weights autocast casts (Linear weights and biases; norms, embeddings stay float32), made once per "
-        "call instead of cast at every forward; bit-identical logits, freed with the KV pool (before the training "
+        "auto", "Float32 weights under bfloat16 / float16 autocast (mixed precision): each rollout runs on a 16-bit "
+        "copy of the weights autocast casts (Linear weights and biases; norms, embeddings stay float32), made once "
+        "per call instead of cast at every forward; bit-identical logits, freed with the KV pool (before the training "
         "step), its bytes taken out of the KV budget first (`engine/weight_copy.py`). 'auto': wherever that applies "
         "(CUDA and CPU); 'off': never (the float32 weights, cast at every forward).", ("engine/engine.py",),
         choices=WEIGHT_COPY_MODES)

@@ -10,14 +10,14 @@ Exact by construction: autocast's cast of a float32 weight is `.to(dtype)` (roun
 the copy under autocast (whose cast of a tensor already in the autocast dtype is a no-op) computes what it computes on
 the float32 weight. Only what autocast casts is copied: the weight and bias of plain `nn.Linear` modules (`F.linear`,
 on autocast's lower-precision list) and of transformers' `Conv1D` (`addmm`, same list); norms, embeddings, RoPE and
-any other parameter stay float32, as autocast leaves them (also the 3-D expert Parameters of transformers' fused
-MoE layers, which autocast still casts at every forward: not copied, for now). Tied weights are handled per module: an `lm_head` tied to
-`embed_tokens` runs `F.linear` on the copy (autocast would cast it there) while the embedding lookup keeps reading the
-float32 Parameter (autocast does not cast `embedding`). Modules that read their weights outside `F.linear` are left
-alone: PEFT layers with DoRA (their weight norm reads the base and adapter weights directly). A model that reads a
-Linear's weight some other way (`weight.dtype` to cast its input, say) would compute differently on the copy:
-`check_exact` runs a short forward with and without the copy at engine construction and turns the copy off, with a
-warning, unless the logits are bit-identical.
+any other parameter stay float32, as autocast leaves them (also the 3-D expert Parameters of transformers' fused MoE
+layers, which autocast still casts at every forward: not copied, for now). Tied weights are handled per module: an
+`lm_head` tied to `embed_tokens` runs `F.linear` on the copy (autocast would cast it there) while the embedding lookup
+keeps reading the float32 Parameter (autocast does not cast `embedding`). Modules that read their weights outside
+`F.linear` are left alone: PEFT layers with DoRA (their weight norm reads the base and adapter weights directly). A
+model that reads a Linear's weight some other way (adds a row of it element-wise, say) would compute differently on
+the copy: `check_exact` runs a short forward with and without the copy at engine construction and turns the copy off,
+with a warning, unless the logits are bit-identical.
 
 Lifetime: the copy follows the KV pool's. It is made at the start of a call, after the pool is sized (the pool's
 budget sets the copy's bytes aside first: `pending_bytes`, passed as reserve), and freed at the end of the call when
@@ -97,8 +97,8 @@ class WeightCopy:
                    autocast: torch.dtype | None) -> WeightCopy | None:
         """The copy an engine runs on, or None: `mode` 'off', no 16-bit autocast inside the forward (`autocast`:
         the support probe's), or no float32 weight autocast casts. On every device: on CUDA the cast's bytes decide
-        a bandwidth-bound step; on CPU the cast is work of its own (`benchmarks/weight_copy.py`: 0.72x to 0.93x the rollout's
-        CPU time on SmolLM2-135M's shape, one thread; benchmarks/RESULTS.md)."""
+        a bandwidth-bound step; on CPU the cast is work of its own (`benchmarks/weight_copy.py`: 0.72x to 0.93x the
+        rollout's CPU time on SmolLM2-135M's shape, one thread; benchmarks/RESULTS.md)."""
         if mode == "off" or autocast not in HALF:
             return None
         copy = cls(model, autocast)
@@ -204,8 +204,9 @@ def check_exact(copy: WeightCopy, vocab_size: int, device: torch.device) -> bool
     elif got.dtype == reference.dtype and torch.equal(got, reference):
         return True
     else:
-        why = (f"it computes differently on a {str(copy.dtype).removeprefix('torch.')} copy of its Linear weights than "
-               "on its float32 weights under autocast (it reads a weight outside the ops autocast casts)")
+        half = str(copy.dtype).removeprefix("torch.")
+        why = (f"it computes differently on a {half} copy of its Linear weights than on its float32 weights under "
+               "autocast (it reads a weight outside the ops autocast casts)")
     warnings.warn(f"`weight_copy`: {why}; the rollout runs on the float32 weights.", UserWarning, stacklevel=3)
     return False
 
