@@ -117,3 +117,39 @@ def test_refusal_at_the_first_rollout_warns_accurately(tmp_path, tokenizer):
     assert "TRL's own path (transformers `generate`, rewards scored after generation)" in msg
     assert "for the rest of this run" in msg and "`bloom`" in msg and "`AttentionInterface`" in msg
     assert "use_vllm=True" in msg and ".." not in msg and "Streamed rewards" not in msg
+
+
+def test_weight_copy_is_gone_before_the_backward(tmp_path, tokenizer, dataset):
+    """`rollout_weight_copy="auto"` (the default; CPU): rollouts run on a bf16 copy of the Linear weights (bf16 autocast, float32
+    weights), and the copy is freed before the loss's backward: no copy tensor alive, every module back on its float32
+    Parameter, the training forward on float32 weights."""
+    import gc
+    import weakref
+
+    model = build_tiny_model("llama", seed=1, size=sizes(16)).train()
+    args = cpu_args(tmp_path, bf16=True, max_steps=2)
+    trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
+                                  processing_class=tokenizer)
+    seen: list[tuple[torch.dtype, weakref.ref]] = []
+    trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(  # (TRL's loss reads `lm_head.weight` itself)
+        lambda module, args, out: seen.append((module.weight.dtype, weakref.ref(module.weight))))
+    at_backward = []
+    backward = trainer.accelerator.backward
+
+    def checked_backward(loss, **kwargs):
+        gc.collect()
+        engine = trainer._engine
+        at_backward.append((
+            engine.weight_copy is not None and engine.weight_copy.tensors() == [],
+            [r() is None for dtype, r in seen if dtype == torch.bfloat16],
+            all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in trainer.model.parameters()),
+            seen[-1][0],  # the loss's forward
+        ))
+        return backward(loss, **kwargs)
+
+    trainer.accelerator.backward = checked_backward
+    assert _train(trainer) == []
+    assert len(at_backward) == 2
+    for released, copies_dead, float32, loss_weights in at_backward:
+        assert released and copies_dead and all(copies_dead) and float32 and loss_weights == torch.float32
+    assert [h["rollout/weight_copy_gb"] for h in trainer.state.log_history if "rollout/weight_copy_gb" in h][0] > 0

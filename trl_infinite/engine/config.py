@@ -21,6 +21,7 @@ from .validate import choice, integer
 ATTENTION_BACKENDS = ("auto", *_BACKENDS)  # "auto": Triton on CUDA when importable, else the torch reference
 SUFFIX_SOURCES = ("siblings+history", "siblings", "history")
 HISTORY_FALLBACKS = ("none", "siblings", "prefix", "siblings+prefix")
+WEIGHT_COPY_MODES = ("auto", "off")
 DEFAULT_MAX_BATCH = 256  # largest decode batch where no slot limit bounds it (the SLA bound, CUDA graphs)
 
 __all__ = ["ATTENTION_BACKENDS", "EngineConfig", "SAMPLING_MODES", "SUFFIX_SOURCES", "SamplingParams"]
@@ -85,6 +86,13 @@ class DecodeConfig(Section):
         "it (about half a minute once per machine, then cached in TORCH_EXTENSIONS_DIR); if it cannot be built, a "
         "warning and the torch path. False: always the torch path. Ignored off CPU.",
         ("engine/engine.py", f"{_SPEC}draft_model.py"))
+    weight_copy: str = setting(
+        "auto", "Float32 weights under bfloat16 / float16 autocast (mixed precision): each rollout runs on a 16-bit "
+        "copy of the weights autocast casts (Linear weights and biases; norms, embeddings stay float32), made once "
+        "per call instead of cast at every forward; bit-identical logits, freed with the KV pool (before the training "
+        "step), its bytes taken out of the KV budget first (`engine/weight_copy.py`). 'auto': wherever that applies "
+        "(CUDA and CPU); 'off': never (the float32 weights, cast at every forward).", ("engine/engine.py",),
+        choices=WEIGHT_COPY_MODES)
     compile_backend: str = setting(
         "inductor", "torch.compile backend of `compile=True` (a name from `torch._dynamo.list_backends()`, e.g. "
         "'inductor', or 'eager' / 'aot_eager' to debug).", ("engine/engine.py",))

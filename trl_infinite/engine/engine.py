@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -28,12 +29,14 @@ from .scheduling.predictors import build_predictor
 from .sequence import Group, Sequence, make_group
 from .static_decode import StaticDecoder, static_step_bytes
 from .support import check_support
+from .weight_copy import build_weight_copy
 
 FinishCallback = Callable[[int, int, list[int]], None]
 
 
 class RolloutEngine:
-    """Generates `num_generations` completions for each prompt with the model's current weights (no copy).
+    """Generates `num_generations` completions for each prompt with the model's current weights (no copy kept across
+    calls; float32 weights under 16-bit autocast run each call on a 16-bit copy of what autocast casts: `weight_copy`).
 
     The KV pool is allocated once, at construction, from `config`'s budget and reused by every `generate` call.
     Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
@@ -55,7 +58,10 @@ class RolloutEngine:
         decode = self.config.decode
         with model_guard(model, "RolloutEngine(model)"):  # the probe switches attention and mode for a moment
             self.support = check_support(model, decode.attention_backend, decode.cpu_decode_kernel)
-        self.vocab_size = model_vocab_size(model)
+            self.vocab_size = model_vocab_size(model)
+            # float32 weights under 16-bit autocast: each call runs on a 16-bit copy of what autocast casts
+            self.weight_copy = build_weight_copy(model, decode.weight_copy, self.device, self.support.autocast,
+                                                 self.vocab_size)
         # the largest captured batch: the slot limit, or `cuda_graph_max_batch` where none bounds the batch
         # (`full_group`, `dynamic_slot`); its step's memory is reserved for the graphs' pool
         slots = sampling_mode(self.config).slot_limit
@@ -63,12 +69,13 @@ class RolloutEngine:
         reserve = 0
         if self.device.type == "cuda" and decode.cuda_graphs:
             reserve = static_step_bytes(model.config, graph_rows)
+        self.graph_reserve = reserve
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`); at fixed addresses where decode steps are captured, so the graphs
         # outlive the release (`kv_memory.py`)
         stable = decode.cuda_graphs and graphs_available(self.device)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
-                                reserve_bytes=reserve, allocate=False, stable=stable)
+                                reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable)
         self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel,
                                   capture_models=self.support.capture_models)
@@ -125,6 +132,11 @@ class RolloutEngine:
                 "under this one."
             )
 
+    def _reserve_bytes(self) -> int:
+        """Taken out of a `kv_cache_fraction` budget first: the captured step's memory and the weight copy's bytes
+        not yet allocated (a held copy is no longer in the free memory the budget is read from)."""
+        return self.graph_reserve + (self.weight_copy.pending_bytes if self.weight_copy is not None else 0)
+
     def _lookahead_cap(self) -> int:
         return self.speculator.max_tokens if self.speculator is not None else 0
 
@@ -163,6 +175,7 @@ class RolloutEngine:
         weights change between calls."""
         sampling = sampling or SamplingParams()
         self._check_autocast()
+        self.pool.reserve_bytes = self._reserve_bytes()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
         with model_guard(self.model), torch.inference_mode(), eval_mode(self.model):
@@ -174,6 +187,11 @@ class RolloutEngine:
         asks; with `kv_cache_release=False` the pool is kept (and so is the cache, while the weights are unchanged)."""
         if self.config.kv_cache.release:
             self.pool.release()
+            self._release_weight_copy()
+
+    def _release_weight_copy(self) -> None:
+        if self.weight_copy is not None:
+            self.weight_copy.release()
 
     def _weights_fingerprint(self) -> tuple:
         """Identity and in-place version of every parameter and buffer: an optimizer step, a weight load or a moved
@@ -207,10 +225,12 @@ class RolloutEngine:
                     self.pool.drop_cache()
                     cache.fingerprint = fingerprint
             self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self._lookahead_cap())))
-            return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep)
+            with self.weight_copy.active() if self.weight_copy is not None else nullcontext():
+                return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep)
         finally:
             if not keep:
                 self.pool.release()
+                self._release_weight_copy()
 
     def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step,
                   keep: bool) -> RolloutResult:
@@ -280,6 +300,7 @@ class RolloutEngine:
     def _fill_stats(self, stats: RolloutStats, start: float) -> None:
         """The engine's own counters (the scheduler's were recorded by `drive`)."""
         stats.kv_block_bytes = self.pool.block_bytes
+        stats.weight_copy_bytes = self.weight_copy.nbytes if self.weight_copy is not None else 0
         if self.predictor.mae is not None:
             stats.extra["length_prediction_mae"] = self.predictor.mae
         graph_memory = self.decoder.graph_memory()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-_MAX = ("peak_active_sequences", "peak_kv_blocks", "num_kv_blocks", "kv_block_bytes", "peak_memory_bytes")
+_MAX = ("peak_active_sequences", "peak_kv_blocks", "num_kv_blocks", "kv_block_bytes", "peak_memory_bytes",
+        "weight_copy_bytes")
 _WEIGHTED = {"kv_utilization": "scheduler_steps", "mean_acceptance_length": "verify_steps"}
 
 
@@ -32,6 +33,7 @@ class RolloutStats:
     parks: int = 0  # divided rollout: a sample returned to the queue with its KV kept
     wall_time_s: float = 0.0
     peak_memory_bytes: int = 0  # CUDA peak during the call, 0 on CPU
+    weight_copy_bytes: int = 0  # the 16-bit copy of the weights the call ran on (`engine/weight_copy.py`), 0 if none
     tail_decode_steps: int = 0  # decode steps after 90% of the samples had finished
     offloaded_blocks: int = 0  # divided rollout: KV blocks of parked samples moved to host memory (and back)
     draft_tokens: int = 0  # speculative draft tokens verified

@@ -129,6 +129,7 @@ def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
         "rollout/tokens_per_second": stats.tokens_per_second,
         "rollout/decode_steps": float(stats.decode_steps),
         "rollout/peak_kv_gb": stats.peak_kv_bytes / 1e9,
+        "rollout/weight_copy_gb": stats.weight_copy_bytes / 1e9,
         "rollout/peak_active_sequences": float(stats.peak_active_sequences),
         "rollout/prefill_tokens": float(stats.prefill_tokens),
         "rollout/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens),
