@@ -259,8 +259,9 @@ def test_captured_steps_on_the_copy():
 
 
 def test_captured_steps_on_a_copy_made_per_call():
-    """The default `kv_cache_release=True`: each call makes its copy (and pool) anew and frees it; the graphs follow
-    (recaptured on the new storage, never replayed on freed memory) and equal the captured float32 decoding."""
+    """The default `kv_cache_release=True`: each call backs its copy (and pool) anew and gives the memory back after
+    it; both sit at reserved addresses, so the second call replays the first call's graphs on the refreshed copy
+    (no capture) and equals the captured float32 decoding."""
     from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
 
     model = _model("llama", 2)
@@ -270,13 +271,16 @@ def test_captured_steps_on_a_copy_made_per_call():
             engine = RolloutEngine(model, _config("auto"))
         with emulate_cuda_graphs():
             plain = RolloutEngine(model, _config("off"))
+        captures = []
         for _ in range(2):
             got, base = engine.generate(ps, 2, sampling), plain.generate(ps, 2, sampling)
             assert got.completion_ids == base.completion_ids and got.logprobs == base.logprobs
-            assert engine.weight_copy.tensors() == []
+            assert engine.weight_copy.tensors() == [] and engine.weight_copy._range.mapped_bytes == 0
+            captures.append(got.stats.graph_captures)
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)
     assert emu.counts["replays"] > 0 and not emu.counts["moved_storage"]
+    assert captures[0] > 0 and captures[1] == 0, captures
 
 
 def test_compiled_step_on_the_copy_follows_each_call():

@@ -59,9 +59,11 @@ class RolloutEngine:
         with model_guard(model, "RolloutEngine(model)"):  # the probe switches attention and mode for a moment
             self.support = check_support(model, decode.attention_backend, decode.cpu_decode_kernel)
             self.vocab_size = model_vocab_size(model)
-            # float32 weights under 16-bit autocast: each call runs on a 16-bit copy of what autocast casts
+            # float32 weights under 16-bit autocast: each call runs on a 16-bit copy of what autocast casts (at fixed
+            # addresses where decode steps are captured, as the KV pool: `kv_memory.py`)
+            stable = decode.cuda_graphs and graphs_available(self.device)
             self.weight_copy = build_weight_copy(model, decode.weight_copy, self.device, self.support.autocast,
-                                                 self.vocab_size)
+                                                 self.vocab_size, stable)
         # the largest captured batch: the slot limit, or `cuda_graph_max_batch` where none bounds the batch
         # (`full_group`, `dynamic_slot`); its step's memory is reserved for the graphs' pool
         slots = sampling_mode(self.config).slot_limit
@@ -73,7 +75,6 @@ class RolloutEngine:
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`); at fixed addresses where decode steps are captured, so the graphs
         # outlive the release (`kv_memory.py`)
-        stable = decode.cuda_graphs and graphs_available(self.device)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
                                 reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable)
         self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,

@@ -64,15 +64,17 @@ class ReservedRange:
         """The most `map` can back beyond what was asked: one granule per part (the rounding)."""
         return self.granularity * len(self.sizes)
 
-    def tensor(self, part: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor over part `part` (its whole reserved range: index only what is mapped)."""
-        start = self.offsets[part]
+    def tensor(self, part: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """A tensor over part `part` from `offset` bytes into it (a multiple of the dtype's size; index only what is
+        mapped)."""
+        start = self.offsets[part] + offset
         n = 1
         for s in shape:
             n *= s
         nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if nbytes > self.sizes[part]:
-            raise ValueError(f"a {shape} {dtype} tensor needs {nbytes} bytes; part {part} holds {self.sizes[part]}.")
+        if offset + nbytes > self.sizes[part]:
+            raise ValueError(f"a {shape} {dtype} tensor at {offset} needs {offset + nbytes} bytes; part {part} holds "
+                             f"{self.sizes[part]}.")
         return self._bytes[start : start + nbytes].view(dtype).view(shape)
 
     def map(self, prefix_bytes: Sequence[int]) -> None:

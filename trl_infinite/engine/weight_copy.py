@@ -24,6 +24,9 @@ budget sets the copy's bytes aside first: `pending_bytes`, passed as reserve), a
 the pool is (the default `kv_cache_release=True`): the training step's forward and backward never see it. Where the
 pool is kept (`kv_cache_release=False`, or the calls of one rollout with `keep_pool=True`) the copy is kept too,
 refreshed in place when the weights changed (same addresses: CUDA graphs and compiled steps need not recapture).
+Where decode steps are captured (`stable=True`) the copy lives in one reserved address range (`kv_memory`, as the KV
+pool): its memory is given back at the end of a call all the same, and the next call's copy lands at the same
+addresses, so the graphs captured on it replay instead of being captured again.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from .kv_memory import ReservedRange, reserve_range
 
 # (module, parameter name, the float32 Parameter it holds outside a swap)
 Target = tuple[nn.Module, str, nn.Parameter]
@@ -82,26 +87,32 @@ class WeightCopy:
     copied once (a weight shared by two Linear modules has one copy). The targets are found again at every `refresh`
     (a module or Parameter replaced since, an adapter added: the copy follows the model as it is at the call)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    ALIGN = 256  # bytes between the copies' starts in a reserved range
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, stable: bool = False):
         if dtype not in HALF:
             raise ValueError(f"a rollout weight copy is made in bfloat16 or float16, got {dtype}")
         self.model = model
         self.dtype = dtype
+        self.stable = stable  # the copies at fixed addresses (`_reserved_copies`)
+        self._range: ReservedRange | None = None
+        self._layout: tuple = ()  # (id, shape, device) of each Parameter the reserved range was laid out for
+        self._views: dict[int, torch.Tensor] = {}  # id(float32 Parameter) -> its copy's place in the range
         self.targets = copy_targets(model)
         self._copies: dict[int, torch.Tensor] = {}  # id(float32 Parameter) -> its copy
         self._fingerprint: tuple = ()
         self.refreshes = 0  # copies made or refreshed (tests, stats)
 
     @classmethod
-    def for_engine(cls, model: nn.Module, mode: str, device: torch.device,
-                   autocast: torch.dtype | None) -> WeightCopy | None:
+    def for_engine(cls, model: nn.Module, mode: str, device: torch.device, autocast: torch.dtype | None,
+                   stable: bool = False) -> WeightCopy | None:
         """The copy an engine runs on, or None: `mode` 'off', no 16-bit autocast inside the forward (`autocast`:
         the support probe's), or no float32 weight autocast casts. On every device: on CUDA the cast's bytes decide
         a bandwidth-bound step; on CPU the cast is work of its own (`benchmarks/weight_copy.py`: 0.72x to 0.93x the
         rollout's CPU time on SmolLM2-135M's shape, one thread; benchmarks/RESULTS.md)."""
         if mode == "off" or autocast not in HALF:
             return None
-        copy = cls(model, autocast)
+        copy = cls(model, autocast, stable)
         return copy if copy.targets else None
 
     # ------------------------------------------------------------------ memory
@@ -112,7 +123,9 @@ class WeightCopy:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the copy (held or not)."""
+        """Bytes of the copy (held or not; in a reserved range: what backing it takes)."""
+        if self._range is not None:
+            return self._range.sizes[0]
         size = torch.tensor([], dtype=self.dtype).element_size()
         return sum(p.numel() for p in self.params) * size
 
@@ -137,6 +150,10 @@ class WeightCopy:
         if self.allocated and fingerprint == self._fingerprint:
             return
         with torch.no_grad():
+            if self.stable and self._reserved_copies():
+                self._fingerprint = fingerprint
+                self.refreshes += 1
+                return
             for p in self.params:
                 held = self._copies.get(id(p))
                 if held is None or held.shape != p.shape or held.device != p.device:
@@ -148,10 +165,39 @@ class WeightCopy:
         self._fingerprint = fingerprint
         self.refreshes += 1
 
+    def _reserved_copies(self) -> bool:
+        """The copy written into its reserved range (laid out anew when the Parameters changed; backed if given
+        back); False where no range can be reserved (then the copy is allocated per call, `stable` off)."""
+        params = self.params
+        layout = tuple((id(p), tuple(p.shape), p.device) for p in params)
+        if self._range is None or layout != self._layout:
+            if self._range is not None:
+                self._range.unmap()
+            size = torch.empty((), dtype=self.dtype).element_size()
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += -(-p.numel() * size // self.ALIGN) * self.ALIGN
+            devices = {p.device for p in params}
+            self._range = reserve_range([total], params[0].device) if len(devices) == 1 else None
+            if self._range is None:
+                self.stable = False
+                return False
+            self._layout = layout
+            self._views = {id(p): self._range.tensor(0, self.dtype, tuple(p.shape), o) for p, o in zip(params, offsets)}
+        self._range.map(self._range.sizes)
+        for p in params:
+            self._views[id(p)].copy_(p.detach())
+        self._copies = dict(self._views)
+        return True
+
     def release(self) -> None:
-        """Free the copy (its memory goes back to the allocator, for the training step)."""
+        """Free the copy (its memory goes back to the allocator, or to the device from its reserved range, for the
+        training step)."""
         self._copies = {}
         self._fingerprint = ()
+        if self._range is not None:
+            self._range.unmap()
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
@@ -212,11 +258,11 @@ def check_exact(copy: WeightCopy, vocab_size: int, device: torch.device) -> bool
 
 
 def build_weight_copy(model: nn.Module, mode: str, device: torch.device, autocast: torch.dtype | None,
-                      vocab_size: int) -> WeightCopy | None:
+                      vocab_size: int, stable: bool = False) -> WeightCopy | None:
     """`WeightCopy.for_engine`, kept only where `check_exact` passes (the model runs in eval mode for the check)."""
     from .eval_mode import eval_mode
 
-    copy = WeightCopy.for_engine(model, mode, device, autocast)
+    copy = WeightCopy.for_engine(model, mode, device, autocast, stable)
     if copy is None:
         return None
     with torch.inference_mode(), eval_mode(model):
