@@ -77,6 +77,7 @@ if [ $DRY = 0 ]; then
     PYTEST_ARGS=(--durations=15)
     LIMITS=(200 180 90 220 260 130 160 190)
     ONE_STEP_ARGS=(--active 32 128 --prompt-len 128 1024 --new-tokens 128 --eager-active 32 --kv-cache-gb 24)
+    GRPO_MODEL=qwen3-0.6b; GRPO_SIZE=16x1@512  # the whole step as the GPU issue states it (Qwen3-0.6B, G=16, 512)
     PREFLIGHT_ARGS=(); TEST_MODE=(); JOBS_GRAPHS=3; JOBS_KERNELS=6
 else
     MODEL=tiny; MAXNEW=16; PROMPT=8; G=4; SLOTS=4; MANY=2
@@ -89,6 +90,7 @@ else
     PYTEST_ARGS=(--collect-only)
     LIMITS=(300 300 300 300 300 300 300 300)
     ONE_STEP_ARGS=("${STEP_ARGS[@]}")
+    GRPO_MODEL=tiny; GRPO_SIZE=${G}x1@$MAXNEW
     PREFLIGHT_ARGS=(--device cpu); TEST_MODE=(--collect-only); JOBS_GRAPHS=2; JOBS_KERNELS=2
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
 fi
@@ -226,7 +228,7 @@ partone() {
         --group-sizes "$G" --max-new-tokens "$MAXNEW" --prompt-len "$PROMPT" "${LENGTHS[@]}" --slots "$SLOTS" \
         --paths engine trl_generate --modes fixed_slot --schedulers fifo --kv-cache-gb "$KV_THROUGHPUT" \
         --json "$OUT/rollout.json"
-    bench grpo_step "${LIMIT[grpo_step]}" "$PY" benchmarks/grpo_step.py --model "$MODEL" --sizes "${G}x1@$MAXNEW" \
+    bench grpo_step "${LIMIT[grpo_step]}" "$PY" benchmarks/grpo_step.py --model "$GRPO_MODEL" --sizes "$GRPO_SIZE" \
         --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" --trainers infinite trl --steps 2 \
         --json "$OUT/grpo_step.json"
     bench kernels "${LIMIT[kernels]}" env TRL_INFINITE_TRITON_AUTOTUNE=0 "$PY" benchmarks/parallel_pytest.py \
