@@ -106,7 +106,7 @@ def test_compiled_triton_step_is_one_graph_and_token_identical(monkeypatch):
         launches.append(args[0].shape[0])  # rows
         return launch(*args)
 
-    monkeypatch.setattr(tb, "launch_cascade", counted)  # the op's body looks it up at each call
+    monkeypatch.setattr(triton_op, "_launch", counted)  # the op's body (`triton_op.set_body`), looked up per call
     torch._dynamo.reset()
     counters.clear()
     result = _engine(model, "aot_eager").generate(PROMPTS, 1, SamplingParams(max_new_tokens=tokens, temperature=0.0))

@@ -39,7 +39,7 @@ from .layer import LayerAttention
 from .metadata import PagedAttentionMetadata, with_context
 from .torch_backend import torch_paged_attention
 from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
-from .triton_op import AUTOCAST_DTYPES, autocast_code, cascade_decode
+from .triton_op import AUTOCAST_DTYPES, autocast_code, cascade_decode, set_body
 
 # on CUDA, time the tile candidates on each configuration's first call (off: the first candidate, as
 # TRL_INFINITE_TRITON_AUTOTUNE=0 sets it: benchmarks/gpu_suite.sh checks the kernels without the tuning time)
@@ -232,4 +232,5 @@ def launch_cascade(
     return out
 
 
+set_body(launch_cascade)
 register_attention_backend("triton", triton_paged_attention, prepare_cascade, gathers_columns=False)

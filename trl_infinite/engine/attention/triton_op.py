@@ -16,6 +16,8 @@ decides the kernels' dot dtype (`triton_tiles.dot_mode`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .layer import LayerAttention
@@ -62,10 +64,20 @@ def triton_cascade_decode(
                  num_groups)
 
 
-def _body(*args) -> torch.Tensor:
-    from .triton_backend import launch_cascade  # (run eagerly: never traced)
+_launch: Callable[..., torch.Tensor] | None = None  # the body: `triton_backend.launch_cascade` (`set_body`)
 
-    return launch_cascade(*args)
+
+def set_body(launch: Callable[..., torch.Tensor]) -> None:
+    """The op's body, the kernel launches (set by `triton_backend` when it is imported: this module imports no
+    backend, so the two form no cycle)."""
+    global _launch
+    _launch = launch
+
+
+def _body(*args) -> torch.Tensor:
+    if _launch is None:
+        raise RuntimeError("the Triton decode op has no body: import trl_infinite.engine.attention.triton_backend.")
+    return _launch(*args)  # (run eagerly: never traced)
 
 
 @triton_cascade_decode.register_fake
