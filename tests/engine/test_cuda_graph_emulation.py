@@ -21,7 +21,7 @@ import logging
 
 import pytest
 import torch
-from _models import reference_greedy, tiny_model
+from _models import reference_greedy, requires_compile, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.cuda_graphs import CaptureError
@@ -94,9 +94,11 @@ def test_graphs_are_token_identical_to_generate(name):
     assert result.stats.extra["cuda_graph_bytes"] == emu.pool_memory().reserved > 0
 
 
-@pytest.mark.parametrize("kw", [dict(attention_backend="triton"), dict(compile=True, compile_backend="aot_eager"),
-                                dict(attention_backend="triton", compile=True, compile_backend="aot_eager")],
-                         ids=["triton", "compiled", "triton-compiled"])
+@pytest.mark.parametrize("kw", [
+    pytest.param(dict(attention_backend="triton"), id="triton"),
+    pytest.param(dict(compile=True, compile_backend="aot_eager"), id="compiled", marks=requires_compile),
+    pytest.param(dict(attention_backend="triton", compile=True, compile_backend="aot_eager"), id="triton-compiled",
+                 marks=requires_compile)])
 def test_graphs_of_triton_kernels_and_compiled_steps(kw):
     """The Triton cascade kernels (their launches are graph nodes), a compiled step (its compiled graph called
     without entering Dynamo) and both (the kernels' custom op inside the compiled graph) capture and replay
