@@ -97,3 +97,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         "{% if add_generation_prompt %}assistant : {% endif %}"
     )
     return fast
+
+
+def _requires_compile():
+    import pytest
+
+    from trl_infinite.engine.compiled_step import COMPILE_MIN_TORCH, compile_supported
+
+    return pytest.mark.skipif(not compile_supported(),
+                              reason=f"compile=True needs torch >= {'.'.join(map(str, COMPILE_MIN_TORCH))}")
+
+
+# a test (or `pytest.param`) of `compile=True`: skipped on a torch older than it needs (`COMPILE_MIN_TORCH`)
+requires_compile = _requires_compile()

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import requires_compile
 
-from trl_infinite.engine.compiled_step import CompiledStep, fast_dispatch_supported
+from trl_infinite.engine.compiled_step import RECOMPILE_LIMIT_SETTING, CompiledStep, fast_dispatch_supported
 
 
 class Toy(torch.nn.Module):
@@ -46,6 +47,7 @@ def test_direct_calls_match_eager_and_read_parameters_each_call():
     torch.testing.assert_close(step(("rows", 3), x), toy.step(x), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not fast_dispatch_supported(), reason="the guard-free dispatch runs only on torch [2.13, 2.14)")
 def test_guards_are_skipped_after_the_first_call_until_reset():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -102,7 +104,7 @@ def test_more_entries_than_dynamos_default_limit_compile_and_the_limit_is_restor
 
     torch._dynamo.reset()
     counters.clear()
-    limit = torch._dynamo.config.recompile_limit
+    limit = getattr(torch._dynamo.config, RECOMPILE_LIMIT_SETTING)
     toy = Toy()
     step = CompiledStep(toy.step, "eager", None, fast=fast)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # one entry per row count
@@ -110,9 +112,10 @@ def test_more_entries_than_dynamos_default_limit_compile_and_the_limit_is_restor
             x = torch.randn(rows, 4)
             torch.testing.assert_close(step(("rows", rows), x), toy.step(x), rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == 2 * limit + 1  # every one compiled, none left to eager
-    assert torch._dynamo.config.recompile_limit == limit
+    assert getattr(torch._dynamo.config, RECOMPILE_LIMIT_SETTING) == limit
 
 
+@requires_compile
 def test_an_engine_leaves_no_process_wide_setting_changed():
     """Built, used (compiled step, support probe, CPU kernel where it builds) and dropped: Dynamo's and inductor's
     settings, torch's global modes and the probe's record are as they were."""
@@ -135,3 +138,14 @@ def test_an_engine_leaves_no_process_wide_setting_changed():
     del engine
     gc.collect()
     assert state() == before
+
+
+def test_compile_is_refused_on_a_torch_too_old_for_it(monkeypatch):
+    import trl_infinite.engine.compiled_step as cs
+    from trl_infinite import EngineConfig
+
+    assert cs.compile_supported("2.9.0") and cs.compile_supported("2.13.0+cpu") and not cs.compile_supported("2.8.1")
+    monkeypatch.setattr(cs, "compile_supported", lambda: False)
+    with pytest.raises(ValueError, match="needs torch >= 2.9"):
+        EngineConfig(compile=True)
+    EngineConfig(compile=False)  # the uncompiled step runs on every supported torch

@@ -21,7 +21,7 @@ import logging
 
 import pytest
 import torch
-from _models import reference_greedy, tiny_model
+from _models import reference_greedy, requires_compile, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.compiled_step import fast_dispatch_supported
@@ -51,6 +51,10 @@ def _moe(model_type: str, experts: str, dtype: torch.dtype = torch.float32):
     return model
 
 
+# transformers' grouped expert matmul (`aten._grouped_mm`) needs torch 2.9
+requires_grouped_mm = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 9),
+                                         reason="transformers' grouped_mm experts need torch >= 2.9")
+
 MODELS = {
     "llama": lambda: tiny_model("llama"),
     "qwen3": lambda: tiny_model("qwen3"),
@@ -60,6 +64,7 @@ MODELS = {
     "gpt_oss_sinks": lambda: _moe("gpt_oss", "batched_mm"),
     "qwen3_moe_bf16": lambda: _moe("qwen3_moe", "grouped_mm", torch.bfloat16),
 }
+GROUPED_MM_MODELS = {"qwen3_moe_bf16"}
 
 
 def test_warmup_before_capture_leaves_rows_and_pool_untouched(monkeypatch):
@@ -83,7 +88,8 @@ def test_warmup_before_capture_leaves_rows_and_pool_untouched(monkeypatch):
     assert emu.counts["captures"] >= 2 and seen and all(seen), seen
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=requires_grouped_mm) if n in GROUPED_MM_MODELS else n
+                                  for n in MODELS])
 def test_graphs_are_token_identical_to_generate(name):
     model = MODELS[name]()
     refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
@@ -95,9 +101,11 @@ def test_graphs_are_token_identical_to_generate(name):
     assert result.stats.extra["cuda_graph_bytes"] == emu.pool_memory().reserved > 0
 
 
-@pytest.mark.parametrize("kw", [dict(attention_backend="triton"), dict(compile=True, compile_backend="aot_eager"),
-                                dict(attention_backend="triton", compile=True, compile_backend="aot_eager")],
-                         ids=["triton", "compiled", "triton-compiled"])
+@pytest.mark.parametrize("kw", [
+    pytest.param(dict(attention_backend="triton"), id="triton"),
+    pytest.param(dict(compile=True, compile_backend="aot_eager"), id="compiled", marks=requires_compile),
+    pytest.param(dict(attention_backend="triton", compile=True, compile_backend="aot_eager"), id="triton-compiled",
+                 marks=requires_compile)])
 def test_graphs_of_triton_kernels_and_compiled_steps(kw):
     """The Triton cascade kernels (their launches are graph nodes), a compiled step (its compiled graph called
     without entering Dynamo) and both (the kernels' custom op inside the compiled graph) capture and replay
@@ -196,6 +204,7 @@ def test_batches_above_the_graph_limit_run_uncaptured():
     assert {key[0] for key in engine.decoder.graphs.graphs} <= {1, 2}  # the 8-row steps ran uncaptured
 
 
+@requires_grouped_mm
 def test_uncapturable_model_runs_uncaptured_with_a_warning(caplog):
     """Qwen3-MoE in fp32: transformers' grouped expert matmul runs ATen's fallback, which copies the group offsets
     to the host (on CUDA: "operation not permitted when stream is capturing"). The support check's trial capture

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import reference_greedy, tiny_model
+from _models import reference_greedy, requires_compile, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.testing.tiny_configs import build_tiny_model
@@ -56,6 +56,7 @@ def test_graphs_on_off_identical(name, make, backend):
     assert outs[True] == outs[False]
 
 
+@requires_compile
 def test_compiled_triton_graphs_greedy_identical():
     model = tiny_model("qwen3").cuda()
     refs = [reference_greedy(model.cpu(), p, 10, []) for p in PROMPTS]

@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (`pip install triton`); the Triton backend is untested")
 
-from _models import reference_greedy, tiny_model  # noqa: E402
+from _models import reference_greedy, requires_compile, tiny_model  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from trl_infinite.engine import RolloutEngine  # noqa: E402
@@ -96,6 +96,7 @@ def _engine(model, backend: str) -> RolloutEngine:
     return RolloutEngine(model, cfg)
 
 
+@requires_compile
 def test_compiled_triton_step_is_one_graph_and_token_identical(monkeypatch):
     model = tiny_model("qwen3")
     tokens = 6

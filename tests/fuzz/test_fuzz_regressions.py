@@ -31,7 +31,7 @@
 from __future__ import annotations
 
 from _fuzz_engine import Call, Case, run_case
-from _models import tiny_model
+from _models import requires_compile, tiny_model
 
 from trl_infinite.engine import SamplingParams
 
@@ -82,6 +82,7 @@ def test_evicting_idle_prompts_recounts_a_prompts_cache_hits():
     run_case(Case("qwen3", config, 0, [Call([[0, 0], [0], [0, 0]], 1, sampling)]))
 
 
+@requires_compile
 def test_the_compiled_step_asks_a_fresh_model_for_hidden_states():
     """Found with inductor; the `eager` backend runs the same Dynamo tracing that failed, without the slow C++ build.
     A fresh model: the world's may already carry the hooks from an earlier eager forward that asked for them."""

@@ -141,7 +141,7 @@ def test_budget_not_applied_where_the_loss_is_not_a_sum_over_rows(tmp_path, toke
 
 def test_refused_model_trains_with_trls_forward_and_says_why(tmp_path, tokenizer, dataset):
     """A model whose training forward is random (dropout) is refused by the contract: TRL's forward, one warning."""
-    model = build_tiny_model("gpt2", resid_pdrop=0.1).train()
+    model = build_tiny_model("llama", attention_dropout=0.1).train()
     with pytest.warns(UserWarning, match="training forward is random"):
         trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
                                       args=cpu_args(tmp_path, gradient_checkpointing=False), train_dataset=dataset)

@@ -102,6 +102,13 @@ class DecodeConfig(Section):
         if self.compile:
             import torch._dynamo
 
+            from .compiled_step import COMPILE_MIN_TORCH, compile_supported
+
+            if not compile_supported():
+                raise ValueError(f"`compile=True` needs torch >= {'.'.join(map(str, COMPILE_MIN_TORCH))} (this is "
+                                 f"{torch.__version__}, whose Dynamo cannot trace the decode step); `compile=False` "
+                                 "generates the same tokens uncompiled.")
+
             choice("compile_backend", self.compile_backend, tuple(torch._dynamo.list_backends(exclude_tags=())))
 
 

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from .cuda_graphs import CaptureError, PoolMemory, set_emulator
 
 aten = torch.ops.aten
+_GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None  # (older torch has none)
 _HOST_SYNC_OPS = {aten.is_nonzero.default, aten.item.default, aten._local_scalar_dense.default, aten.equal.default}
 _UPLOAD_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _SKIP_ON_REPLAY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
@@ -148,7 +149,7 @@ class _Recorder(TorchDispatchMode):
                               "(`torch.tensor([...])`): build it once outside the step")
         if kwargs.get("pin_memory") or func is aten._pin_memory.default:
             raise self.refuse("host_alloc", f"{name} allocates pinned host memory inside the capture")
-        if func is aten._grouped_mm.default and any(
+        if func is _GROUPED_MM and any(
                 t.dtype != torch.bfloat16 for t in _tensors(args[:2])):
             raise self.refuse("host_sync", "aten._grouped_mm outside bfloat16 runs ATen's CUDA fallback, which "
                               "copies the group offsets to the host")
@@ -256,11 +257,14 @@ _in_kernel = [False]  # inside a recorded Triton launch: the interpreter's own h
 def _triton_launches_recorded(recorder: _Recorder) -> Iterator[None]:
     """Record Triton launches (CPU interpreter) made during the capture as graph nodes."""
     try:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import GridExecutor, InterpretedFunction
     except ImportError:
         yield
         return
-    original = InterpretedFunction.run
+    # Triton >= 3.3 launches through the class's `run`; Triton 3.2 through `GridExecutor.__call__` (its `run` is a
+    # per-instance closure that builds a `GridExecutor` too)
+    owner, attr = (InterpretedFunction, "run") if "run" in vars(InterpretedFunction) else (GridExecutor, "__call__")
+    original = getattr(owner, attr)
 
     def run(fn, *args, **kwargs):
         def launch(*a, **k):
@@ -275,11 +279,11 @@ def _triton_launches_recorded(recorder: _Recorder) -> Iterator[None]:
         recorder.record_kernel(launch, args, kwargs)
         return out
 
-    InterpretedFunction.run = run
+    setattr(owner, attr, run)
     try:
         yield
     finally:
-        InterpretedFunction.run = original
+        setattr(owner, attr, original)
 
 
 @contextlib.contextmanager
