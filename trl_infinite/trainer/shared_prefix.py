@@ -37,6 +37,7 @@ from ..engine.support import UnsupportedModelError, check_structure, model_name,
 from .grouped_attention import ORIGINALS, GroupedContext, grouped_name, original_of, packed_forward
 from .logprobs import HeadSpec, selected_logprobs
 from .packing import GroupedLayout, pack_rows
+from .positions import length_dependent_rope
 
 
 class SharedPrefixUnsupported(ValueError):
@@ -68,6 +69,11 @@ class SharedPrefixForward:
         originals = {c._attn_implementation for c in attention_configs(model)}
         if model.config.get_text_config() is not model.config:
             raise SharedPrefixUnsupported("it is not a text-only causal LM")
+        rope = length_dependent_rope(model)
+        if rope is not None:
+            raise SharedPrefixUnsupported(
+                f"its RoPE ({rope!r}) has frequencies that depend on the sequence length (the longest position of "
+                "the forward), which in the packed forward is not the one of TRL's padded batch")
         odd = sorted(str(o) for o in originals if o not in ORIGINALS and original_of(o) is None)
         if odd:
             raise SharedPrefixUnsupported(f"its attention implementation {odd[0]!r} is not one of {list(ORIGINALS)}")
