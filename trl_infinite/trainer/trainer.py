@@ -304,6 +304,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if (forward is not None and not compute_aux_loss and all(v is None for v in multimodal.values())
                 and self._policy_module(model) is forward.model):
             layout = pack_rows(input_ids, attention_mask, logits_to_keep)
+            if not isinstance(layout, str) and not forward.fits(layout, input_ids.shape[1]):
+                layout = None  # (Llama 4's index-scaled queries past `floor_scale`): TRL's forward, exact
         if layout is None or isinstance(layout, str):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
