@@ -280,7 +280,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
         scorer = ChunkScorer(self, self._batch_inputs, prompts, decode, groups)
         chunk = self.engine_config.scheduling.max_active_sequences or self.num_generations
-        stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor)
+        if getattr(self.args, "rollout_reward_chunks", "groups") == "batch":
+            chunk = len(prompt_ids)
+        stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor,
+                                  group_sizes=[g.length for g in groups])
         self._stream_slot.open(stream)
         return stream
 
