@@ -5,8 +5,8 @@ prompt, so a model numbers each token by its column there. Micro batches of othe
 each trimmed to its own longest completion, and the packed shared-prefix forward must number every token the same:
 GPT-2 (learned absolute positions), a dynamic-NTK Llama and a Phi-3 `longrope` (RoPE whose frequencies depend on the
 longest position of the forward) get TRL's gradient. Prompts of 2 to 11 words, so every micro batch pads differently.
-Tolerance: float32 round-off of different reduction orders (relative 1e-4 of the largest entry; the broken numbering
-was off by 13% to 87%).
+Tolerance: float32 round-off of different reduction orders, relative 1e-5 of the largest entry (measured: 1e-7; the
+broken numbering was off by 6.5e-5 (dynamic, packed) to 0.65 (GPT-2, packed) on these tiny models).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_training_positions_are_trls(tmp_path, tokenizer, arch, shared):
     assert ours.keys() == ref.keys() and ref
     scale = max(g.abs().max().item() for g in ref.values())
     worst = max((ours[n] - ref[n]).abs().max().item() for n in ref)
-    assert worst <= 1e-4 * scale, f"gradient off by {worst / scale:.2e} of its largest entry"
+    assert worst <= 1e-5 * scale, f"gradient off by {worst / scale:.2e} of its largest entry"
 
 
 def test_length_dependent_rope_is_recognised():
