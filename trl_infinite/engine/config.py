@@ -8,6 +8,7 @@ section (`config.kv_cache.tokens`, `config.scheduling.scheduler`), by the module
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from difflib import get_close_matches
 from typing import Any
@@ -27,6 +28,14 @@ DEFAULT_MAX_BATCH = 256  # largest decode batch where no slot limit bounds it (t
 __all__ = ["ATTENTION_BACKENDS", "EngineConfig", "SAMPLING_MODES", "SUFFIX_SOURCES", "SamplingParams"]
 
 _SCHED = "engine/scheduling/"
+
+
+def _is_module(value) -> bool:
+    """An `nn.Module` (torch imported only where a non-path value was given)."""
+    import torch
+
+    return isinstance(value, torch.nn.Module)
+
 _SPEC = "engine/spec_decode/"
 
 
@@ -306,6 +315,11 @@ class SpeculativeConfig(Section):
                              f"got {self.draft_window!r}.")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
+        if self.draft_model is not None and not isinstance(self.draft_model, (str, os.PathLike)) and \
+                not _is_module(self.draft_model):
+            raise ValueError("`speculative_draft_model` must be a `torch.nn.Module`, a local path or a Hub model id "
+                             f"(str / os.PathLike) or None, got {type(self.draft_model).__name__} "
+                             f"{self.draft_model!r:.60}.")
 
 
 @dataclass(frozen=True)
