@@ -73,11 +73,22 @@ class RolloutEngine:
         if self.device.type == "cuda" and decode.cuda_graphs:
             reserve = static_step_bytes(model.config, graph_rows)
         self.graph_reserve = reserve
+        # the speculator first: a draft model is checked like the model (`spec_decode/draft_check.py`) and its pool,
+        # mirroring the target's blocks, is paid for by the same budget
+        self.history = PromptHistory(self.config.history)  # per-prompt, across calls; `history.clear()` forgets it
+        self.speculator = None
+        if self.config.speculative.method is not None:
+            from .spec_decode import Speculator
+
+            self.speculator = Speculator(self.config, self.device, history=self.history, target=model,
+                                         target_support=self.support)
+        draft_bytes = self.speculator.draft_block_bytes(self.config.block_size) if self.speculator is not None else 0
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`); at fixed addresses where decode steps are captured, so the graphs
         # outlive the release (`kv_memory.py`)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
-                                reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable)
+                                reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable,
+                                companion_block_bytes=draft_bytes)
         self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel,
                                   capture_models=self.support.capture_models)
@@ -91,15 +102,8 @@ class RolloutEngine:
                 finally:
                     self.pool.release()
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
-        self.history = PromptHistory(self.config.history)
         # one length predictor per engine: it keeps learning from every call's finished samples
         self.predictor = build_predictor(self.config.scheduling, self.history)
-        self.speculator = None
-        if self.config.speculative.method is not None:
-            from .spec_decode import Speculator
-
-            self.speculator = Speculator(self.config, self.device, history=self.history)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
@@ -138,6 +142,10 @@ class RolloutEngine:
         """Taken out of a `kv_cache_fraction` budget first: the captured step's memory and the weight copy's bytes
         not yet allocated (a held copy is no longer in the free memory the budget is read from)."""
         return self.graph_reserve + (self.weight_copy.pending_bytes if self.weight_copy is not None else 0)
+
+    def _draft_model(self) -> torch.nn.Module | None:
+        """The draft model, held with the model for each call (`model_guard`): another engine's call on it waits."""
+        return self.speculator.draft_model if self.speculator is not None else None
 
     def _lookahead_cap(self) -> int:
         return self.speculator.max_tokens if self.speculator is not None else 0
@@ -181,7 +189,7 @@ class RolloutEngine:
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
         processors = self._processors(sampling, prompt_ids, max_new)
-        with model_guard(self.model), torch.inference_mode(), eval_mode(self.model):
+        with model_guard(self.model, also=self._draft_model()), torch.inference_mode(), eval_mode(self.model):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
                                   on_decode_step, keep_pool, processors)
 
