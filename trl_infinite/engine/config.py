@@ -74,7 +74,7 @@ class DecodeConfig(Section):
 
     attention_backend: str = setting(
         "auto", f"Paged attention backend: one of {list(ATTENTION_BACKENDS)}.",
-        ("engine/engine.py", f"{_SPEC}draft_model.py"), choices=ATTENTION_BACKENDS)
+        ("engine/engine.py", f"{_SPEC}draft_model.py", f"{_SPEC}speculator.py"), choices=ATTENTION_BACKENDS)
     cuda_graphs: bool = setting(
         True, "On CUDA, capture the decode step (forward + sampling) in one CUDA graph per batch bucket on first use "
         "and replay it every step; recaptured when parameter storage changes. Ignored off CUDA.", ("engine/engine.py",))
@@ -94,7 +94,7 @@ class DecodeConfig(Section):
         "engine that uses it starts, after the model passed the support checks and only if a layer's head dims suit "
         "it (about half a minute once per machine, then cached in TORCH_EXTENSIONS_DIR); if it cannot be built, a "
         "warning and the torch path. False: always the torch path. Ignored off CPU.",
-        ("engine/engine.py", f"{_SPEC}draft_model.py"))
+        ("engine/engine.py", f"{_SPEC}draft_model.py", f"{_SPEC}speculator.py"))
     weight_copy: str = setting(
         "auto", "Float32 weights under bfloat16 / float16 autocast (mixed precision): each rollout runs on a 16-bit "
         "copy of the weights autocast casts (Linear weights and biases; norms, embeddings stay float32), made once "
@@ -354,7 +354,7 @@ class EngineConfig(Section):
     sections given); an unknown keyword is a `TypeError` naming it, a bad value a `ValueError` naming the flag.
     """
 
-    block_size: int = setting(16, "Tokens per KV block.", ("engine/kv_pool.py", "engine/call.py",
+    block_size: int = setting(16, "Tokens per KV block.", ("engine/kv_pool.py", "engine/call.py", "engine/engine.py",
                                                             f"{_SPEC}draft_model.py", "sim/replay.py"))
     max_prefill_tokens: int = setting(
         4096, "Most prompt/recompute tokens run through the model in one prefill forward.", ("engine/engine.py",))
