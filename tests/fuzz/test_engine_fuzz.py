@@ -16,7 +16,8 @@ import os
 
 import pytest
 import torch
-from _fuzz_engine import cases, run_case, world
+from _models import tiny_model
+from _fuzz_engine import bad_inputs, cases, check_refused_before_the_call, draft_cases, run_case, run_draft_case, world
 from hypothesis import HealthCheck, given, settings
 
 settings.register_profile(
@@ -58,5 +59,39 @@ def test_engine_is_lossless_under_every_configuration(request):
     @given(case=cases(eos_pool, allow_compile=allow_compile))
     def fuzz(case):
         run_case(case)
+
+    fuzz()
+
+
+def _fewer(profile: settings, ci: int, long: int) -> settings:
+    """The profile with `ci` examples (CI) or `long` (the long profile), unless `TRL_INFINITE_FUZZ_EXAMPLES` set it."""
+    if os.environ.get("TRL_INFINITE_FUZZ_EXAMPLES"):
+        return profile
+    return settings(profile, max_examples=ci if profile.derandomize else long)
+
+
+def test_draft_models_that_do_not_match_the_target_are_refused_or_lossless(request):
+    """Issue 40: other depth / heads / width / family / vocabulary / special ids / dtype, or the target's own config
+    object: a `ValueError` naming `speculative_draft_model` when the engine is built, or the reference's tokens."""
+
+    @_fewer(_profile(request), ci=12, long=150)
+    @given(case=draft_cases())
+    def fuzz(case):
+        run_draft_case(*case)
+
+    fuzz()
+
+
+def test_bad_inputs_are_refused_before_the_call_naming_the_field(request):
+    """Issue 40: one bad `SamplingParams` field or generation kwarg among edge values: a `ValueError` naming it,
+    before the model runs (no forward)."""
+    from trl_infinite.engine import EngineConfig, RolloutEngine
+
+    engine = RolloutEngine(tiny_model("qwen3"), EngineConfig(kv_cache_tokens=256, block_size=4))
+
+    @_fewer(_profile(request), ci=40, long=400)
+    @given(bad=bad_inputs())
+    def fuzz(bad):
+        check_refused_before_the_call(engine, [[5, 6, 7], [8]], *bad)
 
     fuzz()
