@@ -23,7 +23,9 @@ class SamplingParams:
     `generation_kwargs` takes any other `GenerationConfig` key (`no_repeat_ngram_size`, `bad_words_ids`,
     `suppress_tokens`, `min_new_tokens`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`, `top_h`, ...), applied through
     the logits processors `generate` builds (see `engine/logits.py`); keys that need another decoding algorithm
-    (`num_beams > 1`, assisted decoding, ...) raise `ValueError`.
+    (`num_beams > 1`, assisted decoding, ...) raise `ValueError`. Every field's type is checked (here and again when
+    `generate` starts); the token ids in `generation_kwargs` are checked against the model's vocabulary, and their
+    processors built, when `generate` starts, before any forward (`generation_checks.py`).
     """
 
     max_new_tokens: int | None = 256
