@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import numbers
 
-# keys holding token ids: a single id, a list of ids, a list of id lists, or `sequence_bias`'s (ids, bias) pairs
-SINGLE_ID_KEYS = ("forced_bos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
+# keys holding token ids a logits processor indexes the scores with: a single id, a list of ids, a list of id lists,
+# or `sequence_bias`'s (ids, bias) pairs (`pad_token_id` / `bos_token_id` only pad or start `generate`'s batches, and
+# some models' generation configs set them outside the vocabulary: left as they are)
+SINGLE_ID_KEYS = ("forced_bos_token_id",)
 ID_LIST_KEYS = ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
 ID_LISTS_KEYS = ("bad_words_ids",)
 # keys that change nothing (or fail) without an EOS id: their companion
