@@ -21,7 +21,8 @@ import os
 
 import pytest
 import torch
-from _fuzz_engine import bad_inputs, cases, check_refused_before_the_call, draft_cases, run_case, run_draft_case, world
+from _fuzz_edges import bad_inputs, check_refused_before_the_call
+from _fuzz_engine import cases, draft_cases, run_case, run_draft_case, world
 from _models import tiny_model
 from hypothesis import HealthCheck, given, settings
 
