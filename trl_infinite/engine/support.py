@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .attention import LayerSpec, allowed, cpu_decode
-from .autocast import describe
+from .autocast import autocast_dtype, describe
 from .eval_mode import eval_mode
 from .exactness import exactness_problem
 from .inputs import model_vocab_size
@@ -41,6 +41,8 @@ from .kv_pool import KVLayout
 from .model_runner import decode_kernel_serves
 from .output_capture import capturing_models
 from .probe import AttentionCall, ProbeRecord, probe_tokens, record_attention_calls
+from .replica import Float32ReferenceError, float32_reference
+from .rope_length import length_dependent_rope
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +113,20 @@ def text_config(model: torch.nn.Module):
 
 def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_decode_kernel: bool = False
                   ) -> ModelSupport:
-    """Run the three checks of the module docstring under the caller's autocast state; return what they found or
-    raise `ValueError`. `cpu_decode_kernel`: use the C++ decode kernel where it serves, built only after the checks
+    """Run the checks of the module docstring under the caller's autocast state; return what they found or raise
+    `ValueError`. `cpu_decode_kernel`: use the C++ decode kernel where it serves, built only after the checks
     passed and checked exact itself (`ModelSupport.decode_kernel`)."""
     with eval_mode(model):
         check_structure(model)
+        rope = length_dependent_rope(model, text_config(model))
+        if rope is not None:
+            raise refusal(model, rope)
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
         support = verdict(model, record_attention_calls(model, ids))
+        if support.compute_dtype not in (torch.float32, torch.float64):
+            _float32_decision(model, attention_backend, forces_autocast=support.autocast is not None
+                              and autocast_dtype(param.device.type) is None)
         problem = exactness_problem(model, support, attention_backend, ids)
         if problem is not None:
             raise refusal(model, problem)
@@ -126,6 +134,30 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
                                                       support.kv_dtype):
             support = replace(support, decode_kernel=_kernel_checked(model, support, attention_backend, ids))
     return support
+
+
+def _float32_decision(model: torch.nn.Module, attention_backend: str, forces_autocast: bool) -> None:
+    """The structural decision for a model that runs in a 16-bit dtype, made in float32 (`replica.py`): the routing
+    and exactness checks, without autocast, on the float32 model `float32_reference` gives, at the float32
+    tolerance. Raises the refusal naming what failed and what it was checked on."""
+    try:
+        ref, how = float32_reference(model, forces_autocast)
+    except Float32ReferenceError as err:
+        raise refusal(model, f"its structure cannot be checked in float32 ({err}); run it with float32 weights "
+                      "(under autocast if wanted: those are checked directly)") from err
+    device = next(ref.parameters()).device
+    backend = attention_backend if ref is model else "torch"
+    with torch.autocast(device.type, enabled=False), eval_mode(ref):
+        try:
+            if ref is not model:
+                check_structure(ref)
+            ids = probe_tokens(model_vocab_size(ref), probe_length(ref), device)
+            support = verdict(ref, record_attention_calls(ref, ids))
+            problem = exactness_problem(ref, support, backend, ids)
+        except UnsupportedModelError as err:
+            raise refusal(model, f"{err.feature} (checked in float32 on {how})") from err
+    if problem is not None:
+        raise refusal(model, f"in float32 (checked on {how}): {problem}")
 
 
 def _kernel_checked(model, support: ModelSupport, attention_backend: str, ids: torch.Tensor) -> bool:
