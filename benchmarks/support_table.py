@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SETTINGS = ("float32", "bf16 weights", "bf16 autocast", "bf16 replica")
 REASONS = (  # (pattern of the refusal message, the few words shown), first match wins
+    (r"its own forward fails", "own forward fails in this dtype"),
     (r"rotary position embedding", "length-dependent RoPE"),
     (r"layer types", "non-attention layer types"),
     (r"stateful non-attention mixers", "stateful mixers"),
@@ -108,10 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     for model_type, row in rows:
         print(f"| `{model_type}` | " + " | ".join(row) + " |")
     differ = [t for t, row in rows if len({r.startswith("exact") for r in row}) > 1]
+    own = [t for t in differ if any("own forward fails" in r for r in dict(rows)[t])]
     exact = {s: sum(row[i] == "exact" for _, row in rows) for i, s in enumerate(settings)}
     print(f"\n{len(rows)} model types built; exact per setting: " + ", ".join(f"{s} {n}" for s, n in exact.items()))
     print(f"model types whose decision differs between the settings: {len(differ)}"
-          + (f" ({', '.join(differ)})" if differ else ""))
+          + (f" ({', '.join(differ)})" if differ else "") + f"; of which the model's own forward fails in a setting "
+          f"(nothing to serve there): {len(own)}" + (f" ({', '.join(own)})" if own else ""))
     if unbuilt:
         print(f"\nno tiny model ({len(unbuilt)}): " + "; ".join(f"`{t}` ({why})" for t, why in unbuilt))
 

@@ -133,3 +133,27 @@ def test_rounding_bound_follows_the_models_own_noise(monkeypatch):
     for noise, want in ((0.0, 2 * eps), (1e-2, 4e-2), (1.0, 12 * eps), (None, 2 * eps)):
         monkeypatch.setattr(exactness, "own_cache_error", lambda *a, n=noise: n)
         assert exactness.rounding_bound(model, ids, BF16).bound == pytest.approx(want)
+
+
+class _FailsUnderAutocast(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("index_add_(): self (Float) and source (BFloat16) must have the same scalar type")
+        return self.inner(hidden_states)
+
+
+def test_a_model_whose_own_forward_fails_in_the_runs_dtype_is_refused_saying_so():
+    """(DBRX and X-MOD's own forwards fail under bf16 autocast in transformers 5.24.) Served in float32."""
+    from _models import tiny_model
+
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = _FailsUnderAutocast(model.model.layers[0].mlp)
+    RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+    with torch.autocast("cpu", dtype=BF16), pytest.raises(
+            support.UnsupportedModelError, match=r"its own forward fails under bfloat16 autocast with float32 weights "
+                                                 r"\(RuntimeError: index_add_\(\).*nothing to reproduce"):
+        RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))

@@ -123,7 +123,7 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
             raise refusal(model, rope)
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
-        support = verdict(model, record_attention_calls(model, ids))
+        support = _verdict_or_own_failure(model, ids)
         if support.compute_dtype not in (torch.float32, torch.float64):
             _float32_decision(model, attention_backend, forces_autocast=support.autocast is not None
                               and autocast_dtype(param.device.type) is None)
@@ -134,6 +134,21 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
                                                       support.kv_dtype):
             support = replace(support, decode_kernel=_kernel_checked(model, support, attention_backend, ids))
     return support
+
+
+def _verdict_or_own_failure(model: torch.nn.Module, ids: torch.Tensor) -> ModelSupport:
+    """`verdict` of the routing probe; where the probe forward failed and the model's own forward fails the same
+    way in this setting (a model that cannot run under this autocast / dtype at all), the refusal says so."""
+    record = record_attention_calls(model, ids)
+    if record.error is not None:
+        try:
+            model(input_ids=ids, use_cache=False)
+        except Exception as exc:  # noqa: BLE001
+            state = describe(autocast_dtype(ids.device.type))
+            weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+            raise refusal(model, f"its own forward fails {state} with {weights} weights "
+                          f"({type(exc).__name__}: {str(exc)[:200]}), so there is nothing to reproduce") from exc
+    return verdict(model, record)
 
 
 def _float32_decision(model: torch.nn.Module, attention_backend: str, forces_autocast: bool) -> None:
