@@ -20,15 +20,18 @@ Two comparisons, two bounds (relative logit error: max |engine - model| / max |m
   state is lost between forwards, or a position numbered differently, gives errors of order 1e-2 to 1.
 - 16-bit (the run's dtype: bf16 / fp16 weights, or float32 weights under autocast): the run itself, after the
   float32 decision passed. Its bound is derived from this model's own rounding noise on the same probe
-  (`rounding_bound`): the model's own KV-cached decode (what `generate` runs) against its full forward, in the
-  same dtype, is a known-good path that differs from the full forward by rounding order only, as the engine's
-  does. Both are within that noise of the exact logits, so the engine's error is at most twice it if its rounding
-  is as large, and a factor 2 on top covers the spread between probes (measured: engine / own-cache error 1.0-1.5
-  on SmolLM2, bf16 weights and bf16 / fp16 autocast, `benchmarks/RESULTS.md` "Exactness under autocast"):
-  bound = `NOISE_MULTIPLE` (4) x noise, at least `FLOOR_ULPS` (2) units of the dtype's precision (`finfo.eps`:
-  2^-7 in bf16, 2^-10 in fp16; one rounding step of the largest logit is half a unit) and at most `CAP_ULPS`
-  (12: 9.4e-2 in bf16, the old fixed tolerance), so that a model whose own cached decode is itself inconsistent
-  under autocast cannot widen the bound without limit.
+  (`rounding_bound`), the larger of two measures of it: the distance of its 16-bit forward from its float32 forward
+  (the same weights without autocast, or their float32 copy; not known on a replica), and the error of its own
+  KV-cached decode (what `generate` runs, a known-good path that differs from the full forward by rounding order
+  only) in the same dtype. The engine's 16-bit result and the model's are each about that far from the exact
+  logits, so they differ by at most about twice it; a factor 2 on top covers the spread between paths and probes
+  (measured: engine / own-cache error 1.0-1.5 on SmolLM2, bf16 weights and bf16 / fp16 autocast,
+  `benchmarks/RESULTS.md` "Exactness under autocast"; the static decode step's cascade of tiny Gemma 4 models
+  2.5-6.5 units of bf16 where their own cached decode is bit-identical to their forward, hence the float32
+  measure). bound = `NOISE_MULTIPLE` (4) x noise, at least `FLOOR_ULPS` (2) units of the dtype's precision
+  (`finfo.eps`: 2^-7 in bf16, 2^-10 in fp16; one rounding step of the largest logit is half a unit) and at most
+  `CAP_ULPS` (12: 9.4e-2 in bf16, the old fixed tolerance), so that a model whose 16-bit forward is itself
+  inconsistent cannot widen the bound without limit.
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ def exactness_tolerance(dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class RoundingBound:
-    """The 16-bit bound of the module docstring: `bound` from the model's own KV-cached decode's error `noise`
-    (None: the model does not run with its own cache, so the floor applies)."""
+    """The 16-bit bound of the module docstring: `bound` from the model's rounding noise `noise` (the larger of its
+    own KV-cached decode's error and its 16-bit forward's distance from its float32 forward; None: neither could be
+    measured, so the floor applies)."""
 
     dtype: torch.dtype
     noise: float | None
@@ -85,15 +89,22 @@ class RoundingBound:
     def describe(self) -> str:
         eps = torch.finfo(self.dtype).eps
         name = str(self.dtype).removeprefix("torch.")
-        seen = "no cached decode of its own" if self.noise is None else \
-            f"{NOISE_MULTIPLE:g} x its own KV-cached decode's rounding error {self.noise:.1e}"
+        seen = "its rounding noise could not be measured" if self.noise is None else \
+            f"{NOISE_MULTIPLE:g} x its own 16-bit rounding noise {self.noise:.1e}"
         return f"{self.bound:.1e}: {seen}, within {FLOOR_ULPS:g} to {CAP_ULPS:g} units of {name} ({eps:.1e})"
 
 
-def rounding_bound(model: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> RoundingBound:
-    """The bound for the engine's error on `ids` in the 16-bit `dtype` the model computes in (module docstring)."""
+def rounding_bound(model: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor | None = None,
+                   float32_ref: torch.Tensor | None = None) -> RoundingBound:
+    """The bound for the engine's error on `ids` in the 16-bit `dtype` the model computes in (module docstring).
+    `ref` / `float32_ref`: the model's logits of the checked rows in `dtype` and in float32 (its float32 weights
+    without autocast, or a float32 copy), when known."""
     eps = torch.finfo(dtype).eps
-    noise = own_cache_error(model, ids, DECODE_TOKENS)
+    noises = [own_cache_error(model, ids, DECODE_TOKENS)]
+    if ref is not None and float32_ref is not None:
+        noises.append(_relative_error(ref, float32_ref))
+    noises = [n for n in noises if n is not None]
+    noise = max(noises) if noises else None
     derived = FLOOR_ULPS * eps if noise is None else NOISE_MULTIPLE * noise
     return RoundingBound(dtype, noise, min(max(derived, FLOOR_ULPS * eps), CAP_ULPS * eps))
 
@@ -101,10 +112,11 @@ def rounding_bound(model: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype
 @torch.no_grad()
 def exactness_problem(
     model: torch.nn.Module, support: ModelSupport, attention_backend: str, ids: torch.Tensor,
-    cpu_decode_kernel: bool = False,
+    cpu_decode_kernel: bool = False, float32_logits: torch.Tensor | None = None,
 ) -> str | None:
     """Prefill `ids[:-DECODE_TOKENS]` ([1, N]), decode the rest one token per forward through a small pool; the
     logits must match the model's own forward of `ids` (positions P-1 .. N-1). Returns what went wrong, or None.
+    `float32_logits` ([N, V]): the model's float32 logits of `ids` where known, for the 16-bit bound's noise.
     `support` holds the pool layout, dtypes and layer specs the routing probe found."""
     tokens = ids[0].tolist()
     n, p, block = len(tokens), len(tokens) - DECODE_TOKENS, 4
@@ -149,7 +161,8 @@ def exactness_problem(
         return None
     tol, why = FLOAT32_TOLERANCE, f"{FLOAT32_TOLERANCE:.0e}"
     if is_16bit(support.compute_dtype):
-        bound = rounding_bound(model, ids, support.compute_dtype)
+        f32 = None if float32_logits is None else float32_logits[p - 1 :].float()
+        bound = rounding_bound(model, ids, support.compute_dtype, ref, f32)
         tol, why = bound.bound, bound.describe()
     for path, err in errors:
         if not err <= tol:

@@ -35,7 +35,7 @@ SHRINK_RULES: tuple[tuple[tuple[str, ...], int], ...] = (
     (("token_id", "position", "extent", "floor", "seed"), 0),  # ids and positions: left alone
     (("rank",), 16),
     (("vocab",), REPLICA_VOCAB),
-    (("experts_per_tok", "topk", "top_k"), 2),
+    (("experts_per_tok", "topk", "top_k", "moe_k"), 2),
     (("key_value_heads", "kv_heads"), 2),
     (("heads",), 4),
     (("experts",), 4),
@@ -45,16 +45,22 @@ SHRINK_RULES: tuple[tuple[tuple[str, ...], int], ...] = (
     (("hidden_size", "embed_dim", "d_model", "n_embd"), 32),
     (("intermediate", "ffn", "inner", "channels", "_dim", "_size"), 64),
 )
+# The second try where the first replica's own forward fails (fields derived from head widths, e.g. multi-head latent
+# attention's `qk_head_dim` = nope + rope): head widths and the K/V head count left as they are (at most 4 heads).
+KEEP_HEAD_SHAPES: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("head_dim", "head_size", "key_value_heads", "kv_heads"), 0),
+    *((keys, 4 if keys == ("heads",) else bound) for keys, bound in SHRINK_RULES),
+)
 
 
 class Float32ReferenceError(ValueError):
     """No float32 model to make the structural decision on could be built (the message says why)."""
 
 
-def _shrink_value(name: str, value, keep_layers: bool):
+def _shrink_value(name: str, value, keep_layers: bool, rules=SHRINK_RULES):
     if not isinstance(value, int) or isinstance(value, bool):
         return value
-    for keys, bound in SHRINK_RULES:
+    for keys, bound in rules:
         if any(k in name for k in keys):
             if bound == 0 or (keep_layers and keys == ("layers",)):
                 return value
@@ -62,19 +68,19 @@ def _shrink_value(name: str, value, keep_layers: bool):
     return value
 
 
-def _shrink_dict(d: dict, keep_layers: bool) -> dict:
-    return {name: _shrink_dict(value, keep_layers) if isinstance(value, dict) else
-            _shrink_value(name, value, keep_layers) for name, value in d.items()}
+def _shrink_dict(d: dict, keep_layers: bool, rules=SHRINK_RULES) -> dict:
+    return {name: _shrink_dict(value, keep_layers, rules) if isinstance(value, dict) else
+            _shrink_value(name, value, keep_layers, rules) for name, value in d.items()}
 
 
-def shrink_config(config, keep_layers: bool = False):
+def shrink_config(config, keep_layers: bool = False, rules=SHRINK_RULES):
     """`config` with every integer size field whose name says it is a vocabulary, head count, layer count (unless
     `keep_layers`), expert count, window or width capped at the tiny sizes (`SHRINK_RULES`), sub-configs included,
     rebuilt through the config class so that its `__post_init__` derives the rest."""
     data = config.to_dict()
     for key in ("transformers_version", "architectures", "_name_or_path"):
         data.pop(key, None)
-    return type(config).from_dict(_shrink_dict(data, keep_layers))
+    return type(config).from_dict(_shrink_dict(data, keep_layers, rules))
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -85,26 +91,39 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def replica(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """A tiny random-weight float32 model of `model`'s class and structure on the CPU, in eval mode (see the module
-    docstring); `Float32ReferenceError` if it cannot be built."""
+    docstring), whose own forward runs; `Float32ReferenceError` if none can be built (the first reason)."""
+    errors = []
+    for rules in (SHRINK_RULES, KEEP_HEAD_SHAPES):
+        try:
+            return _replica(model, seed, rules)
+        except Float32ReferenceError as err:
+            errors.append(err)
+    raise errors[0]
+
+
+def _replica(model: torch.nn.Module, seed: int, rules) -> torch.nn.Module:
     inner = _causal_lm(model)
     try:
-        config = shrink_config(inner.config, keep_layers=True)
+        config = shrink_config(inner.config, keep_layers=True, rules=rules)
         with torch.device("meta"):
             n = sum(p.numel() for p in type(inner)(config).parameters())
         if n > REPLICA_MAX_PARAMS:
             raise Float32ReferenceError(f"its float32 replica would have {n} parameters (> {REPLICA_MAX_PARAMS})")
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(seed)
-            built = type(inner)(config)
+            built = type(inner)(config).float().eval()
+            impl = getattr(inner.config, "_attn_implementation", None)
+            if impl in ("eager", "sdpa"):
+                built.config._attn_implementation_internal = impl
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                built(input_ids=torch.arange(1, 9)[None] % built.config.get_text_config().vocab_size,
+                      use_cache=False)
     except Float32ReferenceError:
         raise
     except Exception as exc:  # noqa: BLE001  (any failure of the config or model class)
         raise Float32ReferenceError(f"a float32 replica of it cannot be built from its config "
                                     f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from exc
-    impl = getattr(inner.config, "_attn_implementation", None)
-    if impl in ("eager", "sdpa"):
-        built.config._attn_implementation_internal = impl
-    return built.float().eval()
+    return built
 
 
 def float32_reference(model: torch.nn.Module, forces_autocast: bool) -> tuple[torch.nn.Module, str]:

@@ -55,7 +55,7 @@ def _recomputed(kind: str) -> bool:
 
 def _position_limits(config) -> list[int]:
     """Positions worth probing: powers of two, and each position-like integer of the config around its value."""
-    limits = {1 << k for k in range(4, 25)}
+    limits = set()
     for field in ("rope_parameters", "rope_scaling"):
         params = getattr(config, field, None)
         params = params if isinstance(params, dict) else {}
@@ -66,7 +66,8 @@ def _position_limits(config) -> list[int]:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             limits.add(value)
-    return sorted({m + d for m in limits for d in (-1, 0, 1) if 3 <= m + d <= MAX_PROBED_POSITION})
+    near = {m + d for m in limits for d in (-1, 0, 1)} | {1 << k for k in range(4, 25)}
+    return sorted(m for m in near if 3 <= m <= MAX_PROBED_POSITION)
 
 
 def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -124,10 +124,11 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
         support = _verdict_or_own_failure(model, ids)
+        float32_logits = None
         if support.compute_dtype not in (torch.float32, torch.float64):
-            _float32_decision(model, attention_backend, forces_autocast=support.autocast is not None
-                              and autocast_dtype(param.device.type) is None)
-        problem = exactness_problem(model, support, attention_backend, ids)
+            float32_logits = _float32_decision(model, attention_backend, ids, forces_autocast=support.autocast
+                                               is not None and autocast_dtype(param.device.type) is None)
+        problem = exactness_problem(model, support, attention_backend, ids, float32_logits=float32_logits)
         if problem is not None:
             raise refusal(model, problem)
         if cpu_decode_kernel and decode_kernel_serves(param.device, attention_backend, support.layers, support.kv,
@@ -151,10 +152,13 @@ def _verdict_or_own_failure(model: torch.nn.Module, ids: torch.Tensor) -> ModelS
     return verdict(model, record)
 
 
-def _float32_decision(model: torch.nn.Module, attention_backend: str, forces_autocast: bool) -> None:
+def _float32_decision(model: torch.nn.Module, attention_backend: str, ids: torch.Tensor, forces_autocast: bool
+                      ) -> torch.Tensor | None:
     """The structural decision for a model that runs in a 16-bit dtype, made in float32 (`replica.py`): the routing
     and exactness checks, without autocast, on the float32 model `float32_reference` gives, at the float32
-    tolerance. Raises the refusal naming what failed and what it was checked on."""
+    tolerance. Raises the refusal naming what failed and what it was checked on. Returns the float32 logits of the
+    probe `ids` ([N, V]) where the float32 model has the model's weights (None on a replica), for the 16-bit
+    bound (`exactness.rounding_bound`)."""
     try:
         ref, how = float32_reference(model, forces_autocast)
     except Float32ReferenceError as err:
@@ -162,17 +166,19 @@ def _float32_decision(model: torch.nn.Module, attention_backend: str, forces_aut
                       "(under autocast if wanted: those are checked directly)") from err
     device = next(ref.parameters()).device
     backend = attention_backend if ref is model else "torch"
-    with torch.autocast(device.type, enabled=False), eval_mode(ref):
+    with torch.autocast(device.type, enabled=False), eval_mode(ref), torch.no_grad():
         try:
             if ref is not model:
                 check_structure(ref)
-            ids = probe_tokens(model_vocab_size(ref), probe_length(ref), device)
-            support = verdict(ref, record_attention_calls(ref, ids))
-            problem = exactness_problem(ref, support, backend, ids)
+            ref_ids = probe_tokens(model_vocab_size(ref), probe_length(ref), device)
+            support = verdict(ref, record_attention_calls(ref, ref_ids))
+            problem = exactness_problem(ref, support, backend, ref_ids)
         except UnsupportedModelError as err:
             raise refusal(model, f"{err.feature} (checked in float32 on {how})") from err
-    if problem is not None:
-        raise refusal(model, f"in float32 (checked on {how}): {problem}")
+        if problem is not None:
+            raise refusal(model, f"in float32 (checked on {how}): {problem}")
+        same_weights = not how.startswith("a float32 replica") and torch.equal(ref_ids.cpu(), ids.cpu())
+        return ref(input_ids=ref_ids, use_cache=False).logits[0].float().to(ids.device) if same_weights else None
 
 
 def _kernel_checked(model, support: ModelSupport, attention_backend: str, ids: torch.Tensor) -> bool:
