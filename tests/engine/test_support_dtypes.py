@@ -121,8 +121,8 @@ def test_16bit_error_above_the_derived_bound_is_refused(monkeypatch):
         return (logits * 1.04 if next(self.model.parameters()).dtype == BF16 else logits), hidden
 
     monkeypatch.setattr(exactness.ModelRunner, "forward", off_in_bf16)
-    with pytest.raises(support.UnsupportedModelError, match=r"relative logit error 4\.\d+e-02 > 1\.6e-02: .*units "
-                       "of bfloat16") as info:
+    with pytest.raises(support.UnsupportedModelError, match=r"relative logit error 4\.\d+e-02 > \d\.\de-02: 4 x its "
+                       "own 16-bit rounding noise .*units of bfloat16") as info:
         _build(build_tiny_model("llama"), "bf16 weights", monkeypatch)
     assert 4e-2 < 1e-1 and "in float32" not in str(info.value)
 
@@ -133,6 +133,10 @@ def test_rounding_bound_follows_the_models_own_noise(monkeypatch):
     for noise, want in ((0.0, 2 * eps), (1e-2, 4e-2), (1.0, 12 * eps), (None, 2 * eps)):
         monkeypatch.setattr(exactness, "own_cache_error", lambda *a, n=noise: n)
         assert exactness.rounding_bound(model, ids, BF16).bound == pytest.approx(want)
+    # the 16-bit forward's distance from the float32 forward counts too (the larger of the two)
+    monkeypatch.setattr(exactness, "own_cache_error", lambda *a: 1e-3)
+    ref = torch.ones(4, 8)
+    assert exactness.rounding_bound(model, ids, BF16, ref, ref * 1.01).bound == pytest.approx(4 * 0.01 / 1.01)
 
 
 class _FailsUnderAutocast(torch.nn.Module):
