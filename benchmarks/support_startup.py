@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_smollm2:
         from trl_infinite.testing.offline_models import load_smollm2
 
-        models.append(("SmolLM2-135M-Instruct (30 layers)", lambda: load_smollm2().eval()))
+        models.append(("SmolLM2-135M-Instruct (30 layers)", lambda: load_smollm2()[0].eval()))
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, CPU, one thread, best of "
           f"{args.repeats}\n")
     print("| model | setting | check_support s | without the additions s | added s |")

@@ -15,6 +15,14 @@
 3. exactness (`exactness.py`): a prompt prefilled into a small pool and three tokens decoded one at a time through
    the selected attention backend give the logits of the model's own forward.
 
+Before the probe, a rotary embedding whose rotation of a position depends on the forward's other positions is
+refused (`rope_length.py`: dynamic NTK, `longrope`). For a model that computes in a 16-bit dtype (bf16 / fp16
+weights, or autocast), the structural decision is made in float32 first: checks 2 and 3 on the float32 model of
+`replica.float32_reference` (its own weights with autocast off, a float32 copy, or a replica from its config) at the
+float32 tolerance; then check 3 on the run itself against the bound derived from its own rounding noise
+(`exactness.rounding_bound`). So a model is served or refused alike in every dtype. A model whose own forward fails
+in the run's dtype is refused saying so.
+
 Any failure raises `ValueError` naming the model type, the unsupported feature and what to use instead. Only then,
 and only where it would serve a layer (CPU, torch backend, float32 pool, head dims of its vector width), the C++
 decode kernel is built (`attention/cpu_decode.py`, half a minute once per machine) and the exactness check is run
