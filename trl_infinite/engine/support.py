@@ -32,6 +32,7 @@ already passed).
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import re
@@ -43,7 +44,7 @@ import torch
 from .attention import LayerSpec, allowed, cpu_decode
 from .autocast import autocast_dtype, describe
 from .eval_mode import eval_mode
-from .exactness import exactness_problem
+from .exactness import DECODE_TOKENS, exactness_problem
 from .inputs import model_vocab_size
 from .kv_pool import KVLayout
 from .model_runner import decode_kernel_serves
@@ -132,11 +133,11 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
         support = _verdict_or_own_failure(model, ids)
-        float32_logits = None
+        noise = None
         if support.compute_dtype not in (torch.float32, torch.float64):
-            float32_logits = _float32_decision(model, attention_backend, ids, forces_autocast=support.autocast
-                                               is not None and autocast_dtype(param.device.type) is None)
-        problem = exactness_problem(model, support, attention_backend, ids, float32_logits=float32_logits)
+            noise = _float32_decision(model, attention_backend, ids, forces_autocast=support.autocast is not None
+                                      and autocast_dtype(param.device.type) is None)
+        problem = exactness_problem(model, support, attention_backend, ids, float32_noise=noise)
         if problem is not None:
             raise refusal(model, problem)
         if cpu_decode_kernel and decode_kernel_serves(param.device, attention_backend, support.layers, support.kv,
@@ -161,12 +162,12 @@ def _verdict_or_own_failure(model: torch.nn.Module, ids: torch.Tensor) -> ModelS
 
 
 def _float32_decision(model: torch.nn.Module, attention_backend: str, ids: torch.Tensor, forces_autocast: bool
-                      ) -> torch.Tensor | None:
+                      ) -> float:
     """The structural decision for a model that runs in a 16-bit dtype, made in float32 (`replica.py`): the routing
     and exactness checks, without autocast, on the float32 model `float32_reference` gives, at the float32
-    tolerance. Raises the refusal naming what failed and what it was checked on. Returns the float32 logits of the
-    probe `ids` ([N, V]) where the float32 model has the model's weights (None on a replica), for the 16-bit
-    bound (`exactness.rounding_bound`)."""
+    tolerance. Raises the refusal naming what failed and what it was checked on. Returns the 16-bit noise for the
+    run's bound (`exactness.rounding_bound`): the relative distance of the model's forward in the run's setting from
+    the float32 one (on a replica: the replica's, in the run's dtype and autocast state)."""
     try:
         ref, how = float32_reference(model, forces_autocast)
     except Float32ReferenceError as err:
@@ -185,8 +186,14 @@ def _float32_decision(model: torch.nn.Module, attention_backend: str, ids: torch
             raise refusal(model, f"{err.feature} (checked in float32 on {how})") from err
         if problem is not None:
             raise refusal(model, f"in float32 (checked on {how}): {problem}")
-        same_weights = not how.startswith("a float32 replica") and torch.equal(ref_ids.cpu(), ids.cpu())
-        return ref(input_ids=ref_ids, use_cache=False).logits[0].float().to(ids.device) if same_weights else None
+        rows = DECODE_TOKENS + 1
+        exact = ref(input_ids=ref_ids, use_cache=False).logits[0, -rows:].float()
+    same_weights = not how.startswith("a float32 replica")
+    run = model if same_weights else copy.deepcopy(ref).to(next(model.parameters()).dtype)
+    run_ids = ids if same_weights else ref_ids
+    with torch.no_grad(), eval_mode(run):
+        got = run(input_ids=run_ids, use_cache=False).logits[0, -rows:].float().to(exact.device)
+    return ((got - exact).abs().max() / exact.abs().max().clamp_min(1e-6)).item()
 
 
 def _kernel_checked(model, support: ModelSupport, attention_backend: str, ids: torch.Tensor) -> bool:
