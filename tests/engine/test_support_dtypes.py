@@ -160,3 +160,17 @@ def test_a_model_whose_own_forward_fails_in_the_runs_dtype_is_refused_saying_so(
             support.UnsupportedModelError, match=r"its own forward fails under bfloat16 autocast with float32 weights "
                                                  r"\(RuntimeError: index_add_\(\).*nothing to reproduce"):
         RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+
+
+@pytest.mark.parametrize("weights", [torch.float32, BF16])
+def test_a_forward_wrapped_in_autocast_is_decided_in_float32(weights):
+    """What TRL's `bf16=True` hands the engine: accelerate's autocast wrapper on `forward` (closing over the model),
+    called under `accelerator.autocast()`. The float32 decision runs the class's own forward on a copy (a deep copy
+    of the wrapper ran the original model, whose attention the probe of the copy never saw: refused before)."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model = build_tiny_model("cohere2").to(weights)
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=BF16)(model.forward))
+    with torch.autocast("cpu", dtype=BF16):
+        engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+    assert engine.support.autocast == BF16 and engine.pool.dtype == BF16

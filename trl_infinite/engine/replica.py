@@ -6,10 +6,10 @@ run uses, so that a 16-bit run is not accepted by the looser rounding bound of i
 
 1. the model itself, with autocast turned off around it, when its parameters are float32 (TRL's `bf16=True` on
    float32 weights): no copy, its own weights and modules (adapters, patched layers) are checked;
-2. a float32 copy on the CPU, when its parameters are 16-bit, it lives on the CPU and it has at most
-   `FLOAT32_COPY_MAX_PARAMS` parameters (4 bytes each);
-3. otherwise (16-bit weights on an accelerator or too large to copy, or a forward that turns autocast on by itself,
-   as accelerate's mixed-precision wrapper does) a replica: the same model class built from a copy of its config
+2. a float32 copy on the CPU, when its parameters are 16-bit or its forward turns autocast on by itself (as
+   accelerate's mixed-precision wrapper on `forward` does: the copy runs its class's `forward`), it lives on the
+   CPU and it has at most `FLOAT32_COPY_MAX_PARAMS` parameters (4 bytes each);
+3. otherwise (16-bit weights on an accelerator or too large to copy) a replica: the same model class built from a copy of its config
    with every size field shrunk (`shrink_config(keep_layers=True)`: hidden 32, 4 query / 2 KV heads, head dim 8,
    vocabulary 96, 4 experts, small ranks; windows above 6 capped at 6 so the probe sees them) and every structural
    field kept (the number of layers and `layer_types`, chunk sizes, rope parameters, position scheme), random
@@ -128,12 +128,20 @@ def _replica(model: torch.nn.Module, seed: int, rules) -> torch.nn.Module:
 
 def float32_reference(model: torch.nn.Module, forces_autocast: bool) -> tuple[torch.nn.Module, str]:
     """(the float32 model to decide on, how it was obtained: for messages). `forces_autocast`: the model's forward
-    turns autocast on by itself, so it cannot be run in float32 as it is."""
+    turns autocast on by itself (accelerate's mixed-precision wrapper), so it cannot be run in float32 as it is."""
     params = list(model.parameters())
     dtypes = {p.dtype for p in params}
     if dtypes <= {torch.float32, torch.float64} and not forces_autocast:
         return model, "its own float32 weights"
-    if not forces_autocast and all(p.device.type == "cpu" for p in params) and \
-            sum(p.numel() for p in params) <= FLOAT32_COPY_MAX_PARAMS:
-        return copy.deepcopy(model).float(), "a float32 copy of its weights"
+    if all(p.device.type == "cpu" for p in params) and sum(p.numel() for p in params) <= FLOAT32_COPY_MAX_PARAMS:
+        return _plain_copy(model).float(), "a float32 copy of its weights"
     return replica(model), "a float32 replica built from its config (random weights)"
+
+
+def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy whose modules run their class's `forward`: a wrapper set on an instance (accelerate's autocast
+    wrapper, which closes over the original model) would run the original, under autocast."""
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        m.__dict__.pop("forward", None)
+    return twin

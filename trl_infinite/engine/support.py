@@ -181,6 +181,8 @@ def _float32_decision(model: torch.nn.Module, attention_backend: str, ids: torch
                 check_structure(ref)
             ref_ids = probe_tokens(model_vocab_size(ref), probe_length(ref), device)
             support = verdict(ref, record_attention_calls(ref, ref_ids))
+            if support.autocast is not None and ref is model:  # its forward turns autocast on by itself
+                return _float32_decision(model, attention_backend, ids, forces_autocast=True)
             problem = exactness_problem(ref, support, backend, ref_ids)
         except UnsupportedModelError as err:
             raise refusal(model, f"{err.feature} (checked in float32 on {how})") from err
