@@ -258,3 +258,90 @@ def test_llama4_index_scaled_queries_bound_the_packed_forward():
     assert forward.fits(layout, ids.shape[1])
     forward.index_limit = layout.num_tokens
     assert not forward.fits(layout, ids.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------- one decision per dtype
+DECISIONS = {  # model -> installed (exact) or refused, the same in every dtype
+    "opt": (lambda: build_tiny_model("opt", dropout=0.0, attention_dropout=0.0), False),  # positions from the mask
+    "llama4 chunk 7": (lambda: _llama4(7), True),
+    "llama4 chunk 8": (lambda: _llama4(8), True),
+    "llama": (lambda: build_tiny_model("llama"), True),
+}
+DTYPES = ["float32", "bf16 weights", "float32 weights under bf16 autocast"]
+
+
+def _install(model, dtype: str):
+    from trl_infinite.trainer.logprobs import HeadSpec
+
+    if dtype == "bf16 weights":
+        model = model.to(torch.bfloat16)
+    autocast = (lambda: torch.autocast("cpu", torch.bfloat16)) if "autocast" in dtype else None
+    return SharedPrefixForward.install(model.train(), HeadSpec.from_model(model, 1.0, False), autocast=autocast)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(DECISIONS))
+def test_the_decision_is_the_same_in_every_dtype(case, dtype):
+    """The structural decision is made in float32 whatever the run's dtype: OPT (positions from the attention mask,
+    2e-2 off in float32, 8% under bf16 autocast) is refused in bf16 too, where a fixed 5e-2 tolerance accepted it;
+    Llama 4 with chunks of 7 / 8 (padding not a multiple of the chunk) and Llama are installed everywhere."""
+    make, exact = DECISIONS[case]
+    if exact:
+        _install(make(), dtype).uninstall()
+        return
+    with pytest.raises(SharedPrefixUnsupported, match="does not reproduce") as info:
+        _install(make(), dtype)
+    assert ("in float32" in str(info.value)) == (dtype != "float32")
+
+
+@pytest.mark.parametrize("case", ["opt", "llama"])
+def test_decision_on_a_float32_replica_when_no_copy_fits(monkeypatch, case):
+    """16-bit weights too large to copy: the decision is made on a float32 replica built from the config."""
+    from trl_infinite.engine import replica
+
+    monkeypatch.setattr(replica, "FLOAT32_COPY_MAX_PARAMS", 0)
+    make, exact = DECISIONS[case]
+    if exact:
+        _install(make(), "bf16 weights").uninstall()
+    else:
+        with pytest.raises(SharedPrefixUnsupported, match="float32 replica"):
+            _install(make(), "bf16 weights")
+
+
+def test_16bit_bound_is_derived_from_the_models_rounding_noise():
+    """The run's own 16-bit check is held to 4 x the padded forward's bf16-vs-float32 distance, within 2 to 12
+    units of bf16: not the old fixed 5e-2."""
+    from trl_infinite.engine.exactness import CAP_ULPS, FLOOR_ULPS
+    from trl_infinite.trainer.logprobs import HeadSpec
+    from trl_infinite.trainer.shared_prefix import _float32_decision, _structure
+
+    model = build_tiny_model("llama").train()
+    ids, _ = _structure(model, None)
+    bound = _float32_decision(model, HeadSpec.from_model(model, 1.0, False),
+                              lambda: torch.autocast("cpu", torch.bfloat16), torch.bfloat16, False, ids, None)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert bound.noise is not None and 0 < bound.noise < FLOOR_ULPS * eps  # bf16 rounding of a tiny model: ~2e-4
+    assert FLOOR_ULPS * eps <= bound.bound <= CAP_ULPS * eps < 5e-2 * 2
+
+
+def test_refused_opt_under_bf16_trains_like_grpo_trainer(tmp_path, tokenizer, dataset):
+    """OPT under TRL's default `bf16=True` (float32 weights, bf16 autocast) is refused with the fallback warning
+    and trains with TRL's forward: loss and every gradient are `GRPOTrainer`'s for the same batch."""
+    model = build_tiny_model("opt", dropout=0.0, attention_dropout=0.0).train()
+    kw = dict(per_device_train_batch_size=6, num_generations=3, max_completion_length=7, temperature=0.9,
+              gradient_checkpointing=False, bf16=True)
+    ref = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=token_sum_reward, processing_class=tokenizer,
+                      args=cpu_args(tmp_path / "trl", cls=GRPOConfig, **kw), train_dataset=dataset)
+    with pytest.warns(UserWarning, match="in float32"):
+        ours = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
+                                   args=cpu_args(tmp_path / "ours", **kw), train_dataset=dataset)
+    assert ours.shared_prefix is None and "does not reproduce" in ours.shared_prefix_reason
+    for trainer in (ref, ours):
+        trainer.current_gradient_accumulation_steps = 1
+    inputs = trl_batch(model.config.vocab_size)
+    want_loss, want = loss_and_grads(ref, copy.deepcopy(inputs))
+    got_loss, got = loss_and_grads(ours, copy.deepcopy(inputs))
+    assert_close(got_loss, want_loss, "loss")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_close(got[name], want[name], name)

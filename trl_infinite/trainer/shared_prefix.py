@@ -15,12 +15,23 @@ The contract, checked once with the model in training mode and under the trainer
 3. determinism: two identical training forwards agree (dropout or router noise would draw one mask for the G rows'
    shared prompt where TRL draws G);
 4. exactness: the packed forward of a probe batch (two groups, left-padded prompts, ragged completions, a prompt
-   longer than the sliding window, padding that is not a multiple of an attention chunk) gives the log-probs and entropies of the model's own padded forward.
+   longer than the sliding window, padding that is not a multiple of an attention chunk) gives the log-probs and
+   entropies of the model's own padded forward.
 A model that fails is trained with TRL's forward; the trainer's warning names the reason.
+
+The decision is made in float32 whatever dtype the run uses, so that a 16-bit run is not accepted by the looser
+bound of its own comparison (OPT, whose positions come from the attention mask, was 8% off under bf16 autocast and
+accepted by a fixed 5e-2 tolerance). For a run in a 16-bit dtype (16-bit weights, or float32 weights under the
+trainer's autocast) the whole contract is first checked, without autocast and at the float32 tolerance
+(`FLOAT32_TOLERANCE`), on the float32 model the engine's `replica.float32_reference` gives (the model itself with
+autocast off, a float32 copy, or a float32 replica built from its config); then the run's own check is held to a
+bound derived as the engine's `exactness.rounding_bound`: `NOISE_MULTIPLE` x the distance of the padded forward's
+16-bit log-probs from its float32 ones on the probe batch, within `FLOOR_ULPS` to `CAP_ULPS` units of the dtype.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import weakref
@@ -31,8 +42,10 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..engine.attention import LayerSpec, attention_configs
 from ..engine.eval_mode import eval_mode
+from ..engine.exactness import CAP_ULPS, FLOOR_ULPS, NOISE_MULTIPLE, RoundingBound, is_16bit
 from ..engine.inputs import model_vocab_size
 from ..engine.probe import probe_tokens, record_attention_calls
+from ..engine.replica import Float32ReferenceError, float32_reference
 from ..engine.support import UnsupportedModelError, check_structure, model_name, probe_length, verdict
 from .grouped_attention import ORIGINALS, GroupedContext, grouped_name, original_of, packed_forward
 from .logprobs import HeadSpec, selected_logprobs
@@ -44,10 +57,7 @@ class SharedPrefixUnsupported(ValueError):
     """The shared-prefix forward cannot run this model exactly (the message says why)."""
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """Largest |log-prob difference| / max(1, max |log-prob|) accepted between the packed and the padded forward:
-    float32 round-off (different reduction orders), or 16-bit noise."""
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+FLOAT32_TOLERANCE = 1e-4  # |log-prob difference| / max(1, max |log-prob|): float32 round-off of two reduction orders
 
 
 class SharedPrefixForward:
@@ -67,29 +77,11 @@ class SharedPrefixForward:
         """Check the contract (raises `SharedPrefixUnsupported` naming the reason), then wrap `model.forward`.
         `outer`: the module the trainer calls (a PEFT model around `model`), checked for structure too."""
         autocast = autocast or nullcontext
-        originals = {c._attn_implementation for c in attention_configs(model)}
-        if model.config.get_text_config() is not model.config:
-            raise SharedPrefixUnsupported("it is not a text-only causal LM")
-        rope = length_dependent_rope(model)
-        if rope is not None:
-            raise SharedPrefixUnsupported(
-                f"its RoPE ({rope!r}) has frequencies that depend on the sequence length (the longest position of "
-                "the forward), which in the packed forward is not the one of TRL's padded batch")
-        odd = sorted(str(o) for o in originals if o not in ORIGINALS and original_of(o) is None)
-        if odd:
-            raise SharedPrefixUnsupported(f"its attention implementation {odd[0]!r} is not one of {list(ORIGINALS)}")
-        head_module = model.get_output_embeddings()
-        if type(head_module) is not torch.nn.Linear:
-            raise SharedPrefixUnsupported(f"its LM head is a {type(head_module).__name__}, not a plain linear layer "
-                                          "(e.g. an adapter on `lm_head`), whose weight alone is not the projection")
-        try:
-            check_structure(outer if outer is not None else model)
-            ids = probe_tokens(model_vocab_size(model), probe_length(model), next(model.parameters()).device)
-            backbone(model)
-            with torch.no_grad(), eval_mode(model):  # attention dropout is the determinism check's to report
-                layers = verdict(model, record_attention_calls(model, ids)).layers
-        except UnsupportedModelError as err:
-            raise SharedPrefixUnsupported(f"{model_name(model)}: {err.feature}") from err
+        ids, layers = _structure(model, outer)
+        run_dtype, forced = _run_dtype(model, autocast, ids)
+        bound = None
+        if is_16bit(run_dtype):
+            bound = _float32_decision(model, head, autocast, run_dtype, forced, ids, outer)
         forward = cls(model, head, layers)
         for c in attention_configs(model):
             if original_of(c._attn_implementation) is None:
@@ -98,7 +90,7 @@ class SharedPrefixForward:
         _INSTALLED[model] = forward
         try:
             with autocast():
-                problem = forward.check(ids)
+                problem = forward.check(ids, bound)
         except Exception as exc:  # noqa: BLE001  (a failing probe forward is a refusal, named)
             problem = f"the packed forward failed ({type(exc).__name__}: {str(exc)[:200]})"
         except BaseException:  # interrupted: leave the model as it was
@@ -157,8 +149,9 @@ class SharedPrefixForward:
 
     # ------------------------------------------------------------------ the exactness probe
     @torch.no_grad()
-    def check(self, ids: torch.Tensor) -> str | None:
-        """Steps 3 and 4 of the contract on a probe batch built from `ids` ([1, L]); None when both hold."""
+    def check(self, ids: torch.Tensor, bound: RoundingBound | None = None) -> str | None:
+        """Steps 3 and 4 of the contract on a probe batch built from `ids` ([1, L]); None when both hold. `bound`:
+        the 16-bit bound of a run in a 16-bit dtype (the module docstring); None: `FLOAT32_TOLERANCE`."""
         model = self.model
         was_training = model.training
         model.train()
@@ -177,12 +170,114 @@ class SharedPrefixForward:
         valid = mask[:, -keep:].bool()
         scale = max(1.0, ref[0][valid].abs().max().item())
         err = max((out.log_probs - ref[0])[valid].abs().max().item(), (out.entropy - ref[1])[valid].abs().max().item())
-        tol = tolerance(next(model.parameters()).dtype if not torch.is_autocast_enabled(ids.device.type)
-                        else torch.get_autocast_dtype(ids.device.type))
+        tol, why = (FLOAT32_TOLERANCE, f"{FLOAT32_TOLERANCE:.0e}") if bound is None else (bound.bound, bound.describe())
         if not err / scale <= tol:
             return (f"the packed forward does not reproduce the model's own padded forward (log-prob error "
-                    f"{err / scale:.1e} > {tol:.0e} relative)")
+                    f"{err / scale:.1e} > {why}, relative)")
         return None
+
+
+def _structure(model: torch.nn.Module, outer: torch.nn.Module | None) -> tuple[torch.Tensor, dict[int, LayerSpec]]:
+    """Steps 1 and 2 of the contract: (the probe tokens, the layer specs the routing probe found)."""
+    originals = {c._attn_implementation for c in attention_configs(model)}
+    if model.config.get_text_config() is not model.config:
+        raise SharedPrefixUnsupported("it is not a text-only causal LM")
+    rope = length_dependent_rope(model)
+    if rope is not None:
+        raise SharedPrefixUnsupported(
+            f"its RoPE ({rope!r}) has frequencies that depend on the sequence length (the longest position of "
+            "the forward), which in the packed forward is not the one of TRL's padded batch")
+    odd = sorted(str(o) for o in originals if o not in ORIGINALS and original_of(o) is None)
+    if odd:
+        raise SharedPrefixUnsupported(f"its attention implementation {odd[0]!r} is not one of {list(ORIGINALS)}")
+    head_module = model.get_output_embeddings()
+    if type(head_module) is not torch.nn.Linear:
+        raise SharedPrefixUnsupported(f"its LM head is a {type(head_module).__name__}, not a plain linear layer "
+                                      "(e.g. an adapter on `lm_head`), whose weight alone is not the projection")
+    try:
+        check_structure(outer if outer is not None else model)
+        ids = probe_tokens(model_vocab_size(model), probe_length(model), next(model.parameters()).device)
+        backbone(model)
+        with torch.no_grad(), eval_mode(model):  # attention dropout is the determinism check's to report
+            layers = verdict(model, record_attention_calls(model, ids)).layers
+    except UnsupportedModelError as err:
+        raise SharedPrefixUnsupported(f"{model_name(model)}: {err.feature}") from err
+    return ids, layers
+
+
+@torch.no_grad()
+def _run_dtype(model: torch.nn.Module, autocast, ids: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """(the dtype the run's forwards compute in, whether the model's forward turns autocast on by itself, as
+    accelerate's mixed-precision wrapper on `forward` does)."""
+    device = ids.device.type
+    with autocast():
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    seen: list[bool] = []
+    hook = backbone(model).register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled(device)))
+    try:
+        with torch.autocast(device, enabled=False):
+            model(input_ids=ids[:, :2], use_cache=False)
+    except Exception:  # noqa: BLE001  (the checks that follow name a failing forward)
+        pass
+    finally:
+        hook.remove()
+    forced = any(seen)
+    if forced and dtype is None:
+        dtype = torch.get_autocast_dtype(device)
+    return (dtype or next(model.parameters()).dtype), forced
+
+
+def _float32_decision(model: torch.nn.Module, head: HeadSpec, autocast, run_dtype: torch.dtype, forced: bool,
+                      ids: torch.Tensor, outer: torch.nn.Module | None) -> RoundingBound:
+    """The contract for a run in a 16-bit dtype, decided in float32 (the module docstring): raises the refusal
+    naming what failed and what it was checked on; returns the bound for the run's own check."""
+    try:
+        ref, how = float32_reference(model, forced)
+    except Float32ReferenceError as err:
+        raise SharedPrefixUnsupported(f"its structure cannot be checked in float32 ({err}); train it with float32 "
+                                      "weights (under autocast if wanted: those are checked directly)") from err
+    device = next(ref.parameters()).device.type
+    off = functools.partial(torch.autocast, device, enabled=False)
+    ref_head = head if ref is model or not how.startswith("a float32 replica") else \
+        HeadSpec.from_model(ref, head.temperature, head.fp32)
+    try:
+        SharedPrefixForward.install(ref, ref_head, autocast=off, outer=outer if ref is model else None).uninstall()
+    except SharedPrefixUnsupported as err:
+        raise SharedPrefixUnsupported(f"in float32 (checked on {how}): {err}") from err
+    same_weights = not how.startswith("a float32 replica")
+    run = model if same_weights else copy.deepcopy(ref).to(next(model.parameters()).dtype)
+    ref_ids = ids.to(device) if same_weights else \
+        probe_tokens(model_vocab_size(ref), probe_length(ref), torch.device(device))
+    eps = torch.finfo(run_dtype).eps
+    try:
+        noise = _rounding_noise(run, ref, ref_ids, ref_head, autocast if run is model else off)
+    except Exception:  # noqa: BLE001  (the run's own check names a failing forward)
+        noise = None
+    derived = FLOOR_ULPS * eps if noise is None else NOISE_MULTIPLE * noise
+    return RoundingBound(run_dtype, noise, min(max(derived, FLOOR_ULPS * eps), CAP_ULPS * eps))
+
+
+@torch.no_grad()
+def _rounding_noise(run: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor, head: HeadSpec, autocast
+                    ) -> float:
+    """Relative distance (the check's measure) of the padded forward's 16-bit log-probs and entropies (`run` under
+    the run's `autocast`) from its float32 ones (`ref` without autocast) on the probe batch of `ids`."""
+    batch = probe_batch(ids[0])
+    states = [(m, m.training) for m in (run, ref)]
+    try:
+        for m, _ in states:
+            m.train()
+        with torch.autocast(ids.device.type, enabled=False):
+            exact = _reference(ref, ref.forward, *batch, head)
+        run_device = next(run.parameters()).device
+        with autocast():
+            got = _reference(run, run.forward, *(t.to(run_device) if torch.is_tensor(t) else t for t in batch), head)
+    finally:
+        for m, was in states:
+            m.train(was)
+    valid = batch[1][:, -batch[2]:].bool()
+    scale = max(1.0, exact[0][valid].abs().max().item())
+    return max((g.to(e.device) - e)[valid].abs().max().item() for g, e in zip(got, exact)) / scale
 
 
 def index_limit(model: torch.nn.Module) -> int | None:
