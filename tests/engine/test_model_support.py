@@ -44,6 +44,16 @@ def _gpt_oss(sinks: float | None) -> torch.nn.Module:
     return model
 
 
+def _llama4_tuned(tuning: bool) -> torch.nn.Module:
+    """Llama 4 with a NoPE layer (layer 0) whose temperature tuning scales queries from index 3 on (floor_scale 4;
+    real configs: 8192), strongly (attn_scale 2): the scale is taken from each token's position, where transformers
+    takes it from the index in the forward plus the model's own cache length (the engine passes no cache)."""
+    model = build_tiny_model("llama4_text", no_rope_layers=[0, 1], attn_temperature_tuning=tuning, floor_scale=4,
+                             attn_scale=2.0)
+    assert [m.use_rope for m in model.modules() if hasattr(m, "use_rope")] == [False, True]
+    return _sharpen(model, 8.0)
+
+
 # name -> (model, the same weights without the feature (None: no such variant), check of the engine's pool layout)
 CASES = {
     "gemma2_softcap": (lambda: _gemma2(50.0), lambda: _gemma2(None), None),
@@ -51,6 +61,7 @@ CASES = {
                        lambda: build_tiny_model("llama4_text", attention_chunk_size=4,
                                                 layer_types=["full_attention", "full_attention"]), None),
     "gpt_oss_sinks": (lambda: _gpt_oss(None), lambda: _gpt_oss(-1e4), None),
+    "llama4_temperature_tuning": (lambda: _llama4_tuned(True), lambda: _llama4_tuned(False), None),
     "deepseek_v3_mla": (lambda: build_tiny_model("deepseek_v3"), None,
                         lambda kv: kv.k_dims == (12, 12) and kv.v_dims == (8, 8)),
     "gpt_bigcode_mqa": (lambda: build_tiny_model("gpt_bigcode"), None, lambda kv: kv.num_kv_heads == (1, 1)),

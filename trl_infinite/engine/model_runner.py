@@ -14,6 +14,7 @@ from .attention import (
     cpu_decode,
     paged_attention,
     resolve_backend,
+    temperature_tuned,
     torch_paged_attention,
 )
 from .kv_pool import KVCachePool, KVLayout
@@ -63,10 +64,11 @@ class ModelRunner:
         # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
         self.attn_configs = attention_configs(model)
+        self.temperature_tuned = temperature_tuned(model)  # Llama 4's NoPE layers: scaled by position
 
     def routed(self):
         """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
-        return paged_attention(self.model, self.attn_configs)
+        return paged_attention(self.model, self.attn_configs, self.temperature_tuned)
 
     def run(
         self,

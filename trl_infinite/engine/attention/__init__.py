@@ -10,6 +10,13 @@ only reads the pool. A backend is a pair of functions:
   -> [T, H, Dv]`, per layer.
 The layer's pool index and mask pattern come from `PagedContext.layers` (one `LayerSpec` per `layer_idx`, found by
 the support probe); scale, soft-cap and sinks from the call's kwargs.
+
+Llama 4's attention temperature tuning (NoPE layers: queries scaled by `log1p(floor((p + 1) / floor_scale)) *
+attn_scale + 1`) takes `p` from the token's index in the forward plus the length of its own KV cache, not from
+`position_ids`: in the engine's packed forward (no cache, several sequences flattened) that index is not the token's
+position. While the engine runs, `paged_attention` turns the module's tuning off and this function applies the same
+scale from each query's position (`meta.q_pos`) with the same ops, so the queries are bit-identical to the model's
+own forward with its cache (what `generate` runs).
 """
 
 from __future__ import annotations
@@ -69,6 +76,8 @@ def paged_attention_forward(
     # float32 norm weight or RoPE table) and V in bf16, and the model's own SDPA / matmul would cast all three to
     # bf16, so the same casts here give the same inputs (and keep the C++ float32 kernel and the cascade's flash
     # call, which autocast does not cast, off float32 / mixed inputs). Without autocast these are no-ops.
+    if getattr(module, "paged_temperature_tuning", False):  # (the module's own scaling is off: see the docstring)
+        query = _temperature_scaled(module, query, meta.q_pos)
     query = query.to(k_cache.dtype)
     key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, key)
@@ -89,6 +98,34 @@ def paged_attention_forward(
 
 
 AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
+
+
+def _temperature_scaled(module: torch.nn.Module, query: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Llama 4's temperature tuning of `query` [1, H, T, D] at the query positions `q_pos` [T]: the expression and
+    dtypes of `Llama4TextAttention.forward`, elementwise, so the result is the model's bit for bit."""
+    scales = torch.log1p(torch.floor((q_pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+    return (query * scales.view(1, 1, -1, 1)).to(query.dtype)
+
+
+def temperature_tuned(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules that scale queries by the token's index in the forward (Llama 4's temperature tuning
+    on its NoPE layers), whose scaling the engine applies from positions instead (module docstring)."""
+    return [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False) is True
+            and not getattr(m, "use_rope", True) and isinstance(getattr(m, "floor_scale", None), (int, float))
+            and isinstance(getattr(m, "attn_scale", None), (int, float))]
+
+
+@contextmanager
+def positional_temperature(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """For the duration of the block, `modules` (from `temperature_tuned`) leave their temperature tuning to
+    `paged_attention_forward`, which scales by position."""
+    try:
+        for m in modules:
+            m.attn_temperature_tuning, m.paged_temperature_tuning = False, True
+        yield
+    finally:
+        for m in modules:
+            m.attn_temperature_tuning, m.paged_temperature_tuning = True, False
 
 
 def attention_configs(model: torch.nn.Module) -> list:
@@ -113,9 +150,13 @@ def attention_implementation(model: torch.nn.Module, name: str, configs: list | 
             c._attn_implementation_internal = impl
 
 
-def paged_attention(model: torch.nn.Module, configs: list | None = None):
-    """Route the model's attention through the pool for the duration of the block (a context manager)."""
-    return attention_implementation(model, PAGED_ATTENTION_NAME, configs)
+@contextmanager
+def paged_attention(model: torch.nn.Module, configs: list | None = None, tuned: list | None = None) -> Iterator[None]:
+    """Route the model's attention through the pool for the duration of the block (a context manager). `tuned`:
+    `temperature_tuned(model)`, computed once by the caller (walked here if None)."""
+    with attention_implementation(model, PAGED_ATTENTION_NAME, configs), \
+            positional_temperature(temperature_tuned(model) if tuned is None else tuned):
+        yield
 
 
 __all__ = [
@@ -136,6 +177,7 @@ __all__ = [
     "paged_attention",
     "register_attention_backend",
     "resolve_backend",
+    "temperature_tuned",
     "torch_paged_attention",
     "with_context",
 ]
