@@ -39,6 +39,9 @@ SERVED = {
     "opt": lambda: build_tiny_model("opt"),
     "llama4_chunk7": lambda: build_tiny_model("llama4_text", attention_chunk_size=7),
     "llama4_chunk8": lambda: build_tiny_model("llama4_text", attention_chunk_size=8),
+    # a NoPE layer whose temperature tuning scales queries from index 3 on: scaled by position in the packed forward
+    "llama4_temperature": lambda: build_tiny_model("llama4_text", no_rope_layers=[0, 1], floor_scale=4,
+                                                   attn_scale=2.0),
 }
 # blenderbot-small and plbart: refused in float32, served with bf16 weights and under bf16 autocast by the old fixed
 # 16-bit tolerance (their positions come from the input length, not `position_ids`)
@@ -84,7 +87,7 @@ def test_served_models_are_exact_in_every_dtype(name, dtype, monkeypatch):
     engine = _build(model, dtype, monkeypatch)
     if dtype == "bf16 weights":
         model = model.to(BF16)
-    if name.startswith("llama4"):  # the probe runs past three chunks, and the engine keeps the model's chunk size
+    if name.startswith("llama4_chunk"):  # the probe runs past three chunks, and the engine keeps the model's chunk size
         chunk = model.config.attention_chunk_size
         assert support.probe_length(model) > 2 * chunk
         assert {s.chunk_size for s in engine.support.layers.values()} == {chunk}
