@@ -248,3 +248,23 @@ def _on_position_ids(m, edit) -> None:
 def test_ignored_position_ids_are_refused():
     """`position_ids` dropped (the model counts positions itself, as BART-style decoders do)."""
     assert "ignores `position_ids`" in _refusal(_llama_with(lambda m: _on_position_ids(m, lambda p: None)))
+
+
+def test_temperature_tuning_is_handed_back_after_nested_and_failed_forwards():
+    """While the engine runs, Llama 4's NoPE layers leave their temperature tuning to the paged attention function
+    (scaled by position); a nested block (a draft model that is the target) keeps the outer block's state, and the
+    model gets its own scaling back after the block, also when it raises."""
+    from trl_infinite.engine.attention import paged_attention, temperature_tuned
+
+    model = _llama4_tuned(True)
+    tuned = temperature_tuned(model)
+    assert len(tuned) == 1 and temperature_tuned(_llama4_tuned(False)) == []
+    state = lambda: [(m.attn_temperature_tuning, getattr(m, "paged_temperature_tuning", False)) for m in tuned]  # noqa: E731
+    with paged_attention(model, tuned=tuned):
+        with paged_attention(model, tuned=tuned):
+            assert state() == [(False, True)]
+        assert state() == [(False, True)]
+    assert state() == [(True, False)]
+    with pytest.raises(RuntimeError), paged_attention(model, tuned=tuned):
+        raise RuntimeError
+    assert state() == [(True, False)]

@@ -119,13 +119,14 @@ def temperature_tuned(model: torch.nn.Module) -> list[torch.nn.Module]:
 def positional_temperature(modules: list[torch.nn.Module]) -> Iterator[None]:
     """For the duration of the block, `modules` (from `temperature_tuned`) leave their temperature tuning to
     `paged_attention_forward`, which scales by position."""
-    try:
+    saved = [(m.attn_temperature_tuning, getattr(m, "paged_temperature_tuning", False)) for m in modules]
+    try:  # (nested, as by a draft model that is the target, the inner block leaves the outer's state)
         for m in modules:
             m.attn_temperature_tuning, m.paged_temperature_tuning = False, True
         yield
     finally:
-        for m in modules:
-            m.attn_temperature_tuning, m.paged_temperature_tuning = True, False
+        for m, (own, paged) in zip(modules, saved):
+            m.attn_temperature_tuning, m.paged_temperature_tuning = own, paged
 
 
 def attention_configs(model: torch.nn.Module) -> list:
