@@ -241,23 +241,43 @@ def test_probe_refuses_chunks_counted_from_column_0(monkeypatch):
     SharedPrefixForward.install(model, head).uninstall()
 
 
-def test_llama4_index_scaled_queries_bound_the_packed_forward():
-    """Llama 4's NoPE layers scale queries by the token's index in the forward (`floor_scale`), not by its
-    position: the packed forward is used only while packed indices and TRL's columns both stay below the first
-    index that scales (TRL's forward otherwise)."""
-    from trl_infinite.trainer.shared_prefix import index_limit
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_llama4_temperature_tuning_scales_by_trls_column(checkpointing):
+    """Llama 4's NoPE layers scale queries by the token's index in the forward (`floor_scale` 4 here, 8192 in real
+    configs), which in TRL's padded forward is the token's column: the packed forward applies the same scale from
+    each token's column, so its log-probs and gradients are the padded forward's far past `floor_scale` (the old
+    packed forward was refused here, and ran TRL's forward past it), with gradient checkpointing's recomputation
+    too; the model's own scaling is back after each packed forward and after `uninstall`."""
+    from trl_infinite.trainer.logprobs import HeadSpec
 
-    model = build_tiny_model("llama4_text", attention_chunk_size=3, no_rope_layers=[0, 1], floor_scale=64)
-    assert index_limit(model) == 63
-    assert index_limit(build_tiny_model("llama4_text", no_rope_layers=[0, 1], attn_temperature_tuning=False)) is None
-    assert index_limit(tiny_model("llama")) is None
-    forward = SharedPrefixForward(model, None, {})
+    model = build_tiny_model("llama4_text", no_rope_layers=[0, 1], floor_scale=4, attn_scale=2.0).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)  # sharp attention: the scale matters
+    head = HeadSpec.from_model(model, 1.0, False)
+    forward = SharedPrefixForward.install(model, head)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     inputs = trl_batch(model.config.vocab_size)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    layout = pack_rows(ids, torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 7)
-    assert forward.fits(layout, ids.shape[1])
-    forward.index_limit = layout.num_tokens
-    assert not forward.fits(layout, ids.shape[1])
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    layout = pack_rows(ids, mask, 7)
+    assert layout.num_tokens > 4 and forward.fits(layout, ids.shape[1])
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = _reference(model, forward._previous, ids, mask, 7, head)[0]
+    want_grads = torch.autograd.grad(want.sum(), params, allow_unused=True)
+    got = model(prefix_groups=forward.context(layout, entropy=False)).log_probs
+    got_grads = torch.autograd.grad(got.sum(), params, allow_unused=True)
+    assert_close(got, want, "log-probs")
+    for g, w in zip(got_grads, want_grads):
+        if w is not None:
+            assert_close(g, w, "gradient")
+    tuned = [m for m in model.modules() if getattr(m, "floor_scale", None) == 4 and not m.use_rope]
+    assert [m.attn_temperature_tuning for m in tuned] == [True]
+    forward.uninstall()
+    model.config.attn_temperature_tuning = False  # (the module reads its own attribute, not the config)
+    assert [m.attn_temperature_tuning for m in tuned] == [True] and not tuned[0]._forward_hooks
 
 
 # ---------------------------------------------------------------------------------------------- one decision per dtype

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..engine.attention import LayerSpec
+from ..engine.attention import LayerSpec, temperature_scaled
 from .packing import GroupedLayout
 
 GROUPED_PREFIX = "trl_infinite_grouped"
@@ -121,6 +121,8 @@ def grouped_attention(
         raise RuntimeError("the shared-prefix forward does not apply attention dropout (the support check refuses "
                            "models that use it in training).")
     lay = ctx.layout
+    if getattr(module, "paged_temperature_tuning", False):  # Llama 4's NoPE layers: scaled by TRL's column
+        query = temperature_scaled(module, query, lay.position_ids[0])
     shared_mask, row_mask = lay.masks(spec.sliding_window, spec.chunk_size)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [N, H, Dk]

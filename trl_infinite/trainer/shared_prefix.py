@@ -40,7 +40,7 @@ from contextlib import nullcontext
 import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
-from ..engine.attention import LayerSpec, attention_configs
+from ..engine.attention import LayerSpec, attention_configs, temperature_tuned
 from ..engine.eval_mode import eval_mode
 from ..engine.exactness import CAP_ULPS, FLOOR_ULPS, NOISE_MULTIPLE, RoundingBound, is_16bit
 from ..engine.inputs import model_vocab_size
@@ -68,7 +68,7 @@ class SharedPrefixForward:
         self.head = head
         self.layers = layers
         self._previous = model.forward
-        self.index_limit = index_limit(model)
+        self._hooks = _temperature_by_column(temperature_tuned(model))
 
     # ------------------------------------------------------------------ installation
     @classmethod
@@ -104,6 +104,8 @@ class SharedPrefixForward:
     def uninstall(self) -> None:
         """Give the model back its previous `forward` and attention implementation."""
         self.model.forward = self._previous
+        for handle in self._hooks:
+            handle.remove()
         for c in attention_configs(self.model):
             original = original_of(c._attn_implementation)
             if original is not None:
@@ -123,11 +125,10 @@ class SharedPrefixForward:
 
     # ------------------------------------------------------------------ the forward
     def fits(self, layout: GroupedLayout, width: int) -> bool:
-        """Whether the packed forward computes TRL's function for this batch (`width`: TRL's `P + C`): always, but
-        for a model that scales queries by the token's index in the forward (`index_limit`), only while both the
-        packed index and TRL's column stay below the first index that scales (the scale is 1 for both there)."""
-        limit = self.index_limit
-        return limit is None or (layout.num_tokens < limit and width < limit)
+        """Whether the packed forward computes TRL's function for this batch (`width`: TRL's `P + C`): always. (Llama
+        4's temperature tuning, which scales queries by the token's index in the forward, is applied by the grouped
+        attention from each token's column in TRL's batch: `engine.attention.positional_temperature`.)"""
+        return True
 
     def context(self, layout: GroupedLayout, entropy: bool) -> GroupedContext:
         return GroupedContext(layout=layout, layers=self.layers, entropy=entropy)
@@ -280,14 +281,21 @@ def _rounding_noise(run: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tenso
     return max((g.to(e.device) - e)[valid].abs().max().item() for g, e in zip(got, exact)) / scale
 
 
-def index_limit(model: torch.nn.Module) -> int | None:
-    """First forward index whose query scale is not 1 in a model that scales queries by the token's index in the
-    forward (Llama 4's attention temperature tuning on its NoPE layers: `log1p(floor((i + 1) / floor_scale))`, from
-    `arange(seq_len)`, not from `position_ids`); None for other models."""
-    limits = [int(m.floor_scale) - 1 for m in model.modules()
-              if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)
-              and isinstance(getattr(m, "floor_scale", None), (int, float))]
-    return min(limits) if limits else None
+def _temperature_by_column(modules: list[torch.nn.Module]) -> list:
+    """Hooks on Llama 4's temperature-tuned NoPE attention modules (`engine.attention.temperature_tuned`): in a
+    packed forward (a call carrying `prefix_groups`, gradient checkpointing's recomputation included) the module's
+    own scaling, by the token's index in the forward, is off and the grouped attention applies the same expression
+    from the token's column in TRL's batch (`position_ids`), which is the index TRL's padded forward scales by."""
+    def before(module, args, kwargs):
+        if kwargs.get("prefix_groups") is not None:
+            module.attn_temperature_tuning, module.paged_temperature_tuning = False, True
+
+    def after(module, args, kwargs, output):
+        if kwargs.get("prefix_groups") is not None:
+            module.attn_temperature_tuning, module.paged_temperature_tuning = True, False
+
+    return [h for m in modules for h in (m.register_forward_pre_hook(before, with_kwargs=True),
+                                         m.register_forward_hook(after, with_kwargs=True, always_call=True))]
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module:

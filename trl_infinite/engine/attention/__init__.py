@@ -77,7 +77,7 @@ def paged_attention_forward(
     # bf16, so the same casts here give the same inputs (and keep the C++ float32 kernel and the cascade's flash
     # call, which autocast does not cast, off float32 / mixed inputs). Without autocast these are no-ops.
     if getattr(module, "paged_temperature_tuning", False):  # (the module's own scaling is off: see the docstring)
-        query = _temperature_scaled(module, query, meta.q_pos)
+        query = temperature_scaled(module, query, meta.q_pos)
     query = query.to(k_cache.dtype)
     key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, key)
@@ -100,7 +100,7 @@ def paged_attention_forward(
 AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
 
 
-def _temperature_scaled(module: torch.nn.Module, query: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def temperature_scaled(module: torch.nn.Module, query: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     """Llama 4's temperature tuning of `query` [1, H, T, D] at the query positions `q_pos` [T]: the expression and
     dtypes of `Llama4TextAttention.forward`, elementwise, so the result is the model's bit for bit."""
     scales = torch.log1p(torch.floor((q_pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
@@ -178,6 +178,8 @@ __all__ = [
     "paged_attention",
     "register_attention_backend",
     "resolve_backend",
+    "positional_temperature",
+    "temperature_scaled",
     "temperature_tuned",
     "torch_paged_attention",
     "with_context",
