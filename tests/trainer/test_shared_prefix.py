@@ -344,15 +344,19 @@ def test_16bit_bound_is_derived_from_the_models_rounding_noise():
     assert FLOOR_ULPS * eps <= bound.bound <= CAP_ULPS * eps < 5e-2 * 2
 
 
-def test_refused_opt_under_bf16_trains_like_grpo_trainer(tmp_path, tokenizer, dataset):
-    """OPT under TRL's default `bf16=True` (float32 weights, bf16 autocast) is refused with the fallback warning
-    and trains with TRL's forward: loss and every gradient are `GRPOTrainer`'s for the same batch."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_refused_opt_trains_like_grpo_trainer(tmp_path, tokenizer, dataset, dtype):
+    """OPT (float32; bf16 weights; TRL's default `bf16=True`: float32 weights under bf16 autocast) is refused with
+    the fallback warning and trains with TRL's forward: loss and every gradient are `GRPOTrainer`'s for the same
+    batch."""
     model = build_tiny_model("opt", dropout=0.0, attention_dropout=0.0).train()
+    if dtype == "bf16 weights":
+        model = model.to(torch.bfloat16)
     kw = dict(per_device_train_batch_size=6, num_generations=3, max_completion_length=7, temperature=0.9,
-              gradient_checkpointing=False, bf16=True)
+              gradient_checkpointing=False, bf16="autocast" in dtype)
     ref = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=token_sum_reward, processing_class=tokenizer,
                       args=cpu_args(tmp_path / "trl", cls=GRPOConfig, **kw), train_dataset=dataset)
-    with pytest.warns(UserWarning, match="in float32"):
+    with pytest.warns(UserWarning, match="in float32" if dtype != "float32" else "does not reproduce"):
         ours = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
                                    args=cpu_args(tmp_path / "ours", **kw), train_dataset=dataset)
     assert ours.shared_prefix is None and "does not reproduce" in ours.shared_prefix_reason
