@@ -21,7 +21,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
 from trl_infinite.trainer.packing import GroupedLayout, pack_rows
-from trl_infinite.trainer.shared_prefix import SharedPrefixForward, SharedPrefixUnsupported, _reference, probe_batch
+from trl_infinite.trainer.prefix_probe import padded_reference, probe_batch
+from trl_infinite.trainer.shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
 
 LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ARCHS = {
@@ -205,7 +206,7 @@ def test_packed_chunked_attention_counts_chunks_from_each_rows_first_token(tmp_p
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     with torch.no_grad():
-        want = _reference(forward.model, forward._previous, ids, mask, 7, forward.head)
+        want = padded_reference(forward.model, forward._previous, ids, mask, 7, forward.head)
         got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 7, compute_entropy=True)
     assert_close(got[0], want[0], "log-probs")
     assert_close(got[1], want[1], "entropies")
@@ -265,7 +266,7 @@ def test_llama4_temperature_tuning_scales_by_trls_column(checkpointing):
     layout = pack_rows(ids, mask, 7)
     assert layout.num_tokens > 4 and forward.fits(layout, ids.shape[1])
     params = [p for p in model.parameters() if p.requires_grad]
-    want = _reference(model, forward._previous, ids, mask, 7, head)[0]
+    want = padded_reference(model, forward._previous, ids, mask, 7, head)[0]
     want_grads = torch.autograd.grad(want.sum(), params, allow_unused=True)
     got = model(prefix_groups=forward.context(layout, entropy=False)).log_probs
     got_grads = torch.autograd.grad(got.sum(), params, allow_unused=True)
@@ -333,12 +334,14 @@ def test_16bit_bound_is_derived_from_the_models_rounding_noise():
     units of bf16: not the old fixed 5e-2."""
     from trl_infinite.engine.exactness import CAP_ULPS, FLOOR_ULPS
     from trl_infinite.trainer.logprobs import HeadSpec
-    from trl_infinite.trainer.shared_prefix import _float32_decision, _structure
+    from trl_infinite.trainer.prefix_probe import float32_decision
+    from trl_infinite.trainer.shared_prefix import _structure
 
     model = build_tiny_model("llama").train()
     ids, _ = _structure(model, None)
-    bound = _float32_decision(model, HeadSpec.from_model(model, 1.0, False),
-                              lambda: torch.autocast("cpu", torch.bfloat16), torch.bfloat16, False, ids, None)
+    bound = float32_decision(model, HeadSpec.from_model(model, 1.0, False),
+                             lambda: torch.autocast("cpu", torch.bfloat16), torch.bfloat16, False, ids, None,
+                             SharedPrefixForward.install)
     eps = torch.finfo(torch.bfloat16).eps
     assert bound.noise is not None and 0 < bound.noise < FLOOR_ULPS * eps  # bf16 rounding of a tiny model: ~2e-4
     assert FLOOR_ULPS * eps <= bound.bound <= CAP_ULPS * eps < 5e-2 * 2
