@@ -40,6 +40,7 @@ from .sub_batches import (
     slice_rows,
     split_inputs,
 )
+from .weight_events import WeightEvents
 
 # accelerate setups whose gradient sync the sub-batches' `no_sync` handles (DeepSpeed and FSDP count or shard
 # backward passes themselves: one pass per micro batch there)
@@ -63,6 +64,11 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.engine_config = engine_config_from_args(self.args)
         self._engine: RolloutEngine | None = None
+        # optimizer steps and weight loads reach the engine (its cache across rollouts: `weight_events.py`)
+        self._weight_events = WeightEvents(self._weights_changed)
+        self.add_callback(self._weight_events)
+        if self.optimizer is not None:  # given through `optimizers=`
+            self._weight_events.hook_optimizer(self.optimizer)
         self._rollout_seeds = RolloutSeeds()
         self._stream_slot = StreamSlot()
         self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
@@ -141,8 +147,9 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         """TRL's `_generate` (first turn, tool loop or `environment_factory` turns, or the user's `rollout_func`),
         one rollout: with tools, environments or a `rollout_func`, every engine call in it keeps the KV pool, its
         prefix cache and its finished completions for the next (a turn prefills only the tokens it adds to the
-        conversation); released at the end as `rollout_kv_cache_release` says. The cache never outlives a weight
-        update (the engine checks)."""
+        conversation); released at the end as `rollout_kv_cache_release` says. The cache outlives the rollout only
+        under `rollout_kv_cache_reuse_across_calls=True`, never an optimizer step or a weight load
+        (`weight_events.py`)."""
         self._batch_prompts = prompts
         self._rollout_turn = 0
         try:
@@ -247,6 +254,28 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 yield model
             finally:
                 model.train(was_training)
+
+    def _weights_changed(self) -> None:
+        """The policy's weights changed (an optimizer step, a weight load): nothing the engine computed from them
+        is reused (`weight_events.py`)."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.reset_prefix_cache()
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        events = getattr(self, "_weight_events", None)
+        if events is not None:
+            events.hook_optimizer(optimizer)
+        return optimizer
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._weights_changed()
+
+    def _load_best_model(self):
+        super()._load_best_model()
+        self._weights_changed()
 
     def _get_engine(self, model: torch.nn.Module) -> RolloutEngine:
         """One engine per process, built on first use; its KV pool is allocated once and reused. A different module
