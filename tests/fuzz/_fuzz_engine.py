@@ -389,11 +389,22 @@ def weight_changes(draw, case: Case, eos_pool: list[int]) -> None:
     if draw(st.integers(0, 3)) != 0:
         return
     case.weights = draw(st.sampled_from(sorted(FAMILIES)))
+    # mostly a kept pool with its cache, and calls repeating the first one's prompts: a stale entry would be hit
+    case.config.update(kv_cache_release=draw(st.sampled_from([False, False, True])),
+                       prefix_cache=draw(st.sampled_from([True, True, False])))
     if len(case.calls) < 2:
         case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool))))
     routes = [*FAMILIES[case.weights], "reset"]
     for call in case.calls[1:]:
-        call.change = draw(st.one_of(st.none(), st.tuples(st.sampled_from(routes), st.integers(0, 2**16))))
+        if draw(st.integers(0, 3)) != 0:
+            call.prompts = [list(p) for p in case.calls[0].prompts]
+        if draw(st.integers(0, 3)) != 0:
+            call.change = (draw(st.sampled_from(routes)), draw(st.integers(0, 2**16)))
+    # a header shared by every prompt of every call, over a block: the next call finds it in a kept cache
+    bs = case.config["block_size"]
+    header = draw(st.lists(st.integers(0, VOCAB - 1), min_size=bs + 1, max_size=2 * bs + 4))
+    for call in case.calls:
+        call.prompts = [header + p for p in call.prompts]
 
 
 class WeightChanges:
