@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import reference_greedy, tiny_model
+from _models import reference_greedy, requires_compile, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
@@ -128,6 +128,16 @@ def test_captured_decode_steps_follow_an_adapter_switch(route):
         out = engine.generate(PROMPTS, 1, GREEDY)
     assert engine.decoder.use_graphs and out.stats.graph_captures > 0
     assert out.completion_ids == _refs(model)
+
+
+@requires_compile
+def test_a_compiled_step_follows_an_adapter_switch():
+    """The compiled step skips Dynamo's guards after a bucket's first call: a disabled adapter re-arms them."""
+    model = lora_model(tiny_model("llama", seed=3))
+    engine = _engine(model, kv_cache_reuse_across_calls=True, compile=True, compile_backend="eager")
+    engine.generate(PROMPTS, 1, GREEDY)
+    ROUTES["lora_toggle"](model, 0)
+    assert engine.generate(PROMPTS, 1, GREEDY).completion_ids == _refs(model)
 
 
 def test_a_load_state_dict_is_seen():
