@@ -83,3 +83,25 @@ def test_a_step_outside_the_loop_and_a_weight_load_reach_the_engine(tmp_path, to
         monkeypatch.setattr(f"trl.GRPOTrainer.{name}", lambda self, *a, **k: None)
         getattr(trainer, name)(*(["checkpoint"] if name == "_load_from_checkpoint" else []))
         assert engine.weights.stale, name
+
+
+def test_the_step_hook_reaches_through_accelerates_wrapper():
+    """The post-step hook sits on the torch optimizer under `AcceleratedOptimizer` (whose own `step` runs no hooks),
+    once however often it is installed; the callback reports a step of any optimizer."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from trl_infinite.trainer.weight_events import WeightEvents
+
+    reported = []
+    events = WeightEvents(lambda: reported.append(1))
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = Accelerator(cpu=True).prepare_optimizer(torch.optim.AdamW([param], fused=True))
+    assert isinstance(optimizer, AcceleratedOptimizer)
+    assert events.hook_optimizer(optimizer) and events.hook_optimizer(optimizer.optimizer)
+    optimizer.step()
+    assert reported == [1]
+    assert not events.hook_optimizer(object())  # not a torch optimizer (e.g. DeepSpeed's): the callback only
+    events.on_optimizer_step(None, None, None)
+    assert reported == [1, 1]
