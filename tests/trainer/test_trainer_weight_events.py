@@ -78,6 +78,9 @@ def test_a_step_outside_the_loop_and_a_weight_load_reach_the_engine(tmp_path, to
     engine.weights.stale = False
     trainer.model.load_state_dict(trainer.model.state_dict())  # the engine's own hook
     assert engine.weights.stale
+    engine.weights.stale = False
+    trainer.reset_prefix_cache()  # the user's call (a callback that changes the weights)
+    assert engine.weights.stale
     for name in ("_load_from_checkpoint", "_load_best_model"):  # what they load is transformers' business
         engine.weights.stale = False
         monkeypatch.setattr(f"trl.GRPOTrainer.{name}", lambda self, *a, **k: None)

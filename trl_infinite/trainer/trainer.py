@@ -65,7 +65,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         self.engine_config = engine_config_from_args(self.args)
         self._engine: RolloutEngine | None = None
         # optimizer steps and weight loads reach the engine (its cache across rollouts: `weight_events.py`)
-        self._weight_events = WeightEvents(self._weights_changed)
+        self._weight_events = WeightEvents(self.reset_prefix_cache)
         self.add_callback(self._weight_events)
         if self.optimizer is not None:  # given through `optimizers=`
             self._weight_events.hook_optimizer(self.optimizer)
@@ -255,9 +255,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             finally:
                 model.train(was_training)
 
-    def _weights_changed(self) -> None:
-        """The policy's weights changed (an optimizer step, a weight load): nothing the engine computed from them
-        is reused (`weight_events.py`)."""
+    def reset_prefix_cache(self) -> None:
+        """The policy's weights changed (an optimizer step, a weight load: reported by the trainer itself; call it
+        after changing them otherwise, e.g. in a callback): nothing the engine computed from them is reused
+        (`weight_events.py`)."""
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.reset_prefix_cache()
@@ -271,11 +272,11 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._weights_changed()
+        self.reset_prefix_cache()
 
     def _load_best_model(self):
         super()._load_best_model()
-        self._weights_changed()
+        self.reset_prefix_cache()
 
     def _get_engine(self, model: torch.nn.Module) -> RolloutEngine:
         """One engine per process, built on first use; its KV pool is allocated once and reused. A different module
