@@ -2,7 +2,10 @@
 prompts and call sequences on one engine; every call must give exactly the reference's tokens (greedy:
 `model.generate`; sampled: the canonical plain engine with the same seed), every sample must run to EOS or
 `max_new_tokens`, no block may stay held, the pool's peak must stay within the budget. One case in six captures and
-replays its decode steps (the CPU capture emulation, the KV pool at fixed addresses across the calls).
+replays its decode steps (the CPU capture emulation, the KV pool at fixed addresses across the calls). One case in
+four changes a fresh model's weights between its calls (issue 40: every route of `testing/weight_routes.py`, and
+`reset_prefix_cache()` where the case declares `kv_cache_reuse_across_calls`), its calls sharing a header that a stale
+cache would serve: the references are recomputed on the new weights.
 
 CI runs the `fuzz-ci` profile: derandomized (the same examples every run), a fixed number of examples, no compile.
 `pytest tests/fuzz --fuzz-long` (or `TRL_INFINITE_FUZZ=long`) runs the `fuzz-long` profile: random examples, many
