@@ -93,9 +93,11 @@ def test_a_partial_hit_on_a_block_filled_by_a_copy_in_the_same_forward(model, mo
 
 
 def test_cache_across_calls_only_while_the_pool_is_kept(model):
+    """... and the caller declared it reports weight changes (`kv_cache_reuse_across_calls`; tests/engine/
+    test_weight_state.py)."""
     prompts = [_rand(10, 5), _rand(7, 6)]
     refs = _refs(model, prompts, None)
-    kept = _engine(model, kv_cache_release=False)
+    kept = _engine(model, kv_cache_release=False, kv_cache_reuse_across_calls=True)
     first = kept.generate(prompts, 2, _greedy())
     second = kept.generate(prompts, 2, _greedy())
     assert first.completion_ids == second.completion_ids == [r for r in refs for _ in range(2)]
@@ -103,9 +105,9 @@ def test_cache_across_calls_only_while_the_pool_is_kept(model):
     # everything but each prompt's last token (its full blocks, the rest of its last block by copy)
     assert second.stats.prefix_cache_hit_tokens == sum(len(p) - 1 for p in prompts)
     assert second.stats.prefill_tokens == len(prompts)
-    released = _engine(model)  # default: the pool (and cache) goes after each call
-    released.generate(prompts, 2, _greedy())
-    assert released.generate(prompts, 2, _greedy()).stats.prefix_cache_hit_tokens == 0
+    for engine in (_engine(model), _engine(model, kv_cache_release=False)):  # released, or kept but not declared
+        engine.generate(prompts, 2, _greedy())
+        assert engine.generate(prompts, 2, _greedy()).stats.prefix_cache_hit_tokens == 0
 
 
 @pytest.mark.parametrize("kv_tokens", [4096, 48])  # 48: the grown pool and the old one exceed the budget together
@@ -173,7 +175,7 @@ def test_forced_collisions_in_the_engine_stay_exact(model, monkeypatch):
 
 def test_cache_dropped_after_a_weight_update():
     model = tiny_model("llama", seed=3)
-    engine = _engine(model, kv_cache_release=False)
+    engine = _engine(model, kv_cache_release=False, kv_cache_reuse_across_calls=True)
     prompts = [_rand(11, 50)]
     engine.generate(prompts, 1, _greedy())
     assert engine.generate(prompts, 1, _greedy()).stats.prefix_cache_hit_tokens == 10  # all but the last token

@@ -29,6 +29,7 @@ from trl_infinite.engine.logits import GenerationProcessors
 from trl_infinite.engine.sampler import Sampler, row_keys, seen_mask, uniform64
 from trl_infinite.engine.spec_decode import decoupled
 from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan
+from trl_infinite.testing.weight_routes import FAMILIES, ROUTES, SEEN, lora_model
 
 TIE_TOLERANCE = 1e-5  # relative to the largest logit / the row's total mass
 VOCAB = 96
@@ -47,6 +48,7 @@ class Call:
     num_generations: int
     sampling: SamplingParams
     fault_at: int | None = None
+    change: tuple[str, int] | None = None  # (route, seed): the weights change before the call (`weight_changes`)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Case:
     plan_seed: int | None = None
     graphs: bool = False  # decode steps captured and replayed (the CPU capture emulation; the pool at fixed addresses)
     draft: str = "same"  # the draft model's variant (`DRAFT_VARIANTS`), for 'draft_model' / 'best_of_n'
+    weights: str | None = None  # a family of `weight_routes.FAMILIES`: a fresh model whose weights change; None: not
 
     def engine_config(self, draft_model=None) -> EngineConfig:
         bs = self.config["block_size"]
@@ -165,6 +168,7 @@ def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
     for _ in range(draw(st.integers(1, 3))):  # several calls on one engine: history, predictors, pool reuse
         fault = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1, 6)))
         case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool)), fault))
+    draw(weight_changes(case, eos_pool))
     return case
 
 
@@ -336,16 +340,20 @@ def run_case(case, model=None) -> None:
     """Build the engine of `case`, make its calls, check every invariant after each. `model`: the model to run
     instead of the world's (a fresh `tiny_model(case.arch)` has the same weights, so the same references)."""
     w = world()
-    model = w.models[case.arch] if model is None else model
+    changing = WeightChanges(case) if case.weights is not None else None
+    model = changing.model if changing is not None else w.models[case.arch] if model is None else model
     config = case.engine_config(w.draft if case.draft == "same" else draft_variant(case.draft, model))
     with emulate_cuda_graphs() if case.graphs else nullcontext():
         engine = RolloutEngine(model, config)
     for call in case.calls:
+        if changing is not None:
+            changing.apply(engine, call)
         with scripted_plans(case.plan_seed):
             if call.fault_at is not None:
                 interrupted(model, engine, call)
             result = engine.generate(call.prompts, call.num_generations, call.sampling)
-        check_call(model, engine, call, result, w.reference(case.arch, call))
+        reference = changing.reference(call) if changing is not None else w.reference(case.arch, call)
+        check_call(model, engine, call, result, reference)
 
 
 class _Fault(Exception):
@@ -404,3 +412,64 @@ def run_draft_case(arch: str, variant: str, spec: dict, call: Call) -> None:
     result = engine.generate(call.prompts, call.num_generations, call.sampling)
     check_call(model, engine, call, result, w.reference(arch, call))
     model(torch.tensor([[1, 2, 3]]))  # the target's own attention is its own again
+
+
+# ---------------------------------------------------------------------------------------------------- weight changes
+@st.composite
+def weight_changes(draw, case: Case, eos_pool: list[int]) -> None:
+    """Cross-call reuse declared or not (`kv_cache_reuse_across_calls`; the world's weights never change, so any
+    case may declare it) and, in one case in four, weight changes between its calls by the routes of one family of
+    `weight_routes` (optimizer steps fused or not, `p.data.copy_`, `torch._foreach_add_`, inference tensors copied
+    into or loaded, LoRA adapters disabled or switched) or the explicit `reset_prefix_cache()` alone, on a fresh
+    model: the references are recomputed on the changed weights (`WeightChanges`)."""
+    case.config["kv_cache_reuse_across_calls"] = draw(st.booleans())
+    if draw(st.integers(0, 3)) != 0:
+        return
+    case.weights = draw(st.sampled_from(sorted(FAMILIES)))
+    # mostly a kept pool with its cache, and calls repeating the first one's prompts: a stale entry would be hit
+    case.config.update(kv_cache_release=draw(st.sampled_from([False, False, True])),
+                       prefix_cache=draw(st.sampled_from([True, True, False])))
+    if len(case.calls) < 2:
+        case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool))))
+    routes = [*FAMILIES[case.weights], "reset"]
+    for call in case.calls[1:]:
+        if draw(st.integers(0, 3)) != 0:
+            call.prompts = [list(p) for p in case.calls[0].prompts]
+        if draw(st.integers(0, 3)) != 0:
+            call.change = (draw(st.sampled_from(routes)), draw(st.integers(0, 2**16)))
+    # a header shared by every prompt of every call, over a block: the next call finds it in a kept cache
+    bs = case.config["block_size"]
+    header = draw(st.lists(st.integers(0, VOCAB - 1), min_size=bs + 1, max_size=2 * bs + 4))
+    for call in case.calls:
+        call.prompts = [header + p for p in call.prompts]
+
+
+class WeightChanges:
+    """A fresh model for a case whose weights change (`Case.weights`), the changes between its calls, and references
+    on the weights as they are at each call (greedy: `generate`; sampled: a plain engine on this model, which keeps
+    nothing across calls)."""
+
+    def __init__(self, case: Case):
+        model = tiny_model(case.arch)
+        self.model = lora_model(model) if case.weights == "lora" else model
+        self.reuse = case.config.get("kv_cache_reuse_across_calls", False)
+        self._canonical: RolloutEngine | None = None
+
+    def apply(self, engine: RolloutEngine, call: Call) -> None:
+        """The call's change; where reuse is declared, reported as the contract asks (`reset_prefix_cache()` after
+        a route the fingerprint cannot see; "reset": the call alone)."""
+        if call.change is None:
+            return
+        route, seed = call.change
+        if route != "reset":
+            ROUTES[route](self.model, seed)
+        if route == "reset" or (self.reuse and not SEEN[route]):
+            engine.reset_prefix_cache()
+
+    def reference(self, call: Call):
+        if call.sampling.greedy:
+            refs = [greedy_reference(self.model, p, call.sampling) for p in call.prompts]
+            return [r for r in refs for _ in range(call.num_generations)]
+        if self._canonical is None:
+            self._canonical = canonical_engine(self.model)
+        return self._canonical.generate(call.prompts, call.num_generations, call.sampling)

@@ -264,7 +264,7 @@ def test_llama4_temperature_tuning_scales_by_trls_column(checkpointing):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     layout = pack_rows(ids, mask, 7)
-    assert layout.num_tokens > 4 and forward.fits(layout, ids.shape[1])
+    assert layout.num_tokens > 4  # past `floor_scale` (4): the temperature tuning matters
     params = [p for p in model.parameters() if p.requires_grad]
     want = padded_reference(model, forward._previous, ids, mask, 7, head)[0]
     want_grads = torch.autograd.grad(want.sum(), params, allow_unused=True)

@@ -61,6 +61,14 @@ class KVCacheConfig(Section):
         "completions of the samples that can run together, rounded up by at most 12.5%), never above the budget. "
         "False: the pool is kept between calls (grown when a call needs more, up to the budget): no re-allocation, "
         "and on CUDA no re-capture of the decode graphs.", ("engine/engine.py",))
+    reuse_across_calls: bool = setting(
+        False, "Where the pool is kept between calls (`kv_cache_release=False`): keep what was computed from the "
+        "weights (cached prefixes, the 16-bit weight copy) for the next call too. Set it only if you report every "
+        "weight change: call `RolloutEngine.reset_prefix_cache()` after each (an optimizer step, a weight load, an "
+        "in-place edit); the trainer does so at every optimizer step and weight load. False: recomputed at every call "
+        "(the calls of one `keep_pool=True` run share them either way). Address, version-counter and PEFT adapter "
+        "changes are caught in both cases, but fused optimizers, `p.data.copy_` and inference-mode tensors change "
+        "weights without either (`engine/weight_state.py`).", ("engine/engine.py",))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -363,8 +371,9 @@ class EngineConfig(Section):
         "them (a hash chain, ids compared on every hit) and shared copy-free: a system prompt or few-shot header "
         "shared by the prompts of a call, the earlier turns of a tool loop, a prompt seen by an earlier call, are "
         "prefilled once. Unreferenced cached blocks are evicted least recently used first when the pool needs "
-        "room; every entry is dropped when the weights change. Entries outlive a call only while the pool is kept "
-        "(`kv_cache_release=False`, or within one trainer rollout). Lossless.",
+        "room. Entries outlive a call only within a run of `keep_pool=True` calls (one trainer rollout), or where the "
+        "pool is kept (`kv_cache_release=False`) and `kv_cache_reuse_across_calls` declares that every weight change "
+        "is reported (`RolloutEngine.reset_prefix_cache()`). Lossless.",
         ("engine/kv_pool.py", "sim/replay.py"))
     kv_cache: KVCacheConfig = section(KVCacheConfig)
     decode: DecodeConfig = section(DecodeConfig)

@@ -31,6 +31,7 @@ from .sequence import Group, Sequence, make_group
 from .static_decode import StaticDecoder, static_step_bytes
 from .support import check_support
 from .weight_copy import build_weight_copy
+from .weight_state import WeightTracker
 
 FinishCallback = Callable[[int, int, list[int]], None]
 
@@ -38,6 +39,10 @@ FinishCallback = Callable[[int, int, list[int]], None]
 class RolloutEngine:
     """Generates `num_generations` completions for each prompt with the model's current weights (no copy kept across
     calls; float32 weights under 16-bit autocast run each call on a 16-bit copy of what autocast casts: `weight_copy`).
+
+    Weight changes: what the engine derives from the weights (the prefix cache's KV, the weight copy) is kept across
+    calls only within a run of `keep_pool=True` calls, or where `kv_cache_reuse_across_calls=True` declares that the
+    caller reports every weight change with `reset_prefix_cache()` (`weight_state.py`).
 
     The KV pool is allocated once, at construction, from `config`'s budget and reused by every `generate` call.
     Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
@@ -53,6 +58,8 @@ class RolloutEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None):
         self.model = model
         self.config = config or EngineConfig()
+        # when the prefix cache and the weight copy were computed with weights that may have changed since
+        self.weights = WeightTracker(model, self.config.kv_cache.reuse_across_calls)
         param = next(model.parameters())
         self.device = param.device
         self.autocast = autocast_dtype(self.device.type)  # the enclosing state every `generate` must match
@@ -181,8 +188,10 @@ class RolloutEngine:
         `keep_pool=True`: keep the KV pool, and the prefix cache in it, after this call even under
         `kv_cache_release=True`, because a related call follows (the next turn of a tool loop, the next batch of one
         rollout): each finished sample's completion is cached too, so a next turn that continues it prefills only
-        its new tokens. The caller ends such a run with `release_pool()`. The cache is dropped whenever the model's
-        weights change between calls."""
+        its new tokens. The caller ends such a run with `release_pool()`; the weights must not change within it
+        (`reset_prefix_cache()` if they do). Across other calls the cache (kept by `kv_cache_release=False`) is
+        reused only under `kv_cache_reuse_across_calls=True`, whose caller reports each weight change with
+        `reset_prefix_cache()`."""
         sampling = SamplingParams.of(sampling)
         self._check_autocast()
         self.pool.reserve_bytes = self._reserve_bytes()
@@ -195,7 +204,9 @@ class RolloutEngine:
 
     def release_pool(self) -> None:
         """End of a run of `keep_pool=True` calls: release the pool (and its cached prefixes) as `kv_cache_release`
-        asks; with `kv_cache_release=False` the pool is kept (and so is the cache, while the weights are unchanged)."""
+        asks; with `kv_cache_release=False` the pool is kept (and the cache, for the next call only under
+        `kv_cache_reuse_across_calls=True`)."""
+        self.weights.end_run()
         if self.config.kv_cache.release:
             self.pool.release()
             self._release_weight_copy()
@@ -204,11 +215,13 @@ class RolloutEngine:
         if self.weight_copy is not None:
             self.weight_copy.release()
 
-    def _weights_fingerprint(self) -> tuple:
-        """Identity and in-place version of every parameter and buffer: an optimizer step, a weight load or a moved
-        tensor changes it (the prefix cache's KV was computed with the weights of one fingerprint)."""
-        return tuple((t.data_ptr(), 0 if t.is_inference() else t._version)
-                     for t in (*self.model.parameters(), *self.model.buffers()))
+    def reset_prefix_cache(self) -> None:
+        """The model's weights changed (an optimizer step, a weight load, an in-place edit, an adapter switch): the
+        next call drops every cached prefix and refreshes the 16-bit weight copy, whose values came from the old
+        weights. As vLLM's `LLM.reset_prefix_cache()` (SGLang's `flush_cache()`) after a weight update; needed only
+        with `kv_cache_reuse_across_calls=True` (otherwise nothing derived from the weights outlives a call outside
+        a `keep_pool=True` run), or within such a run. Cheap: nothing is freed or recomputed until the next call."""
+        self.weights.changed()
 
     def _generate(
         self,
@@ -230,16 +243,16 @@ class RolloutEngine:
         groups = self._make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths)
         keep = keep_pool or not self.config.kv_cache.release
         try:
-            cache = self.pool.prefix_cache
-            if cache is not None:
-                fingerprint = self._weights_fingerprint()
-                if fingerprint != cache.fingerprint:  # new weights: no cached KV is valid
-                    self.pool.drop_cache()
-                    cache.fingerprint = fingerprint
+            if self.weights.begin_call():  # the weights may have changed: nothing computed from them is valid
+                self.pool.drop_cache()
+                if self.weight_copy is not None:
+                    self.weight_copy.invalidate()
             self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self._lookahead_cap())))
             with self.weight_copy.active() if self.weight_copy is not None else nullcontext():
-                return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep,
-                                      processors)
+                result = self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep,
+                                        processors)
+            self.weights.end_call(keep_pool)
+            return result
         finally:
             if not keep:
                 self.pool.release()

@@ -21,7 +21,7 @@ Reference counts live in the `BlockAllocator`: a cached block nobody references 
 given to a new owner (its entry dropped) least recently used first, only once no never-used block is left.
 
 Pure Python (no torch): the scheduler and the trace simulator share it. The engine drops every entry when the
-model's weights change (`fingerprint`).
+model's weights may have changed (`weight_state.py`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class PrefixCache:
         self._entries: dict[int, CacheEntry] = {}  # block -> its entry
         self._children: dict[int, OrderedDict[int, None]] = {}  # parent serial -> its children's blocks, newest last
         self._serials = itertools.count(1)
-        self.fingerprint: tuple | None = None  # what the cached KV was computed with (the engine's weights)
 
     def __len__(self) -> int:
         return len(self._entries)

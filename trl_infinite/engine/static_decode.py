@@ -33,6 +33,7 @@ from .sampler import Sampler, row_keys, seed_base
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .step_graphs import StepGraphs
+from .weight_state import adapter_state
 
 
 def bucket_sizes(capacity: int) -> list[int]:
@@ -127,9 +128,10 @@ class StaticDecoder:
             self.sampler, self.want_hidden = sampler, want_hidden
             self._clear_graphs()
         self.seed.fill_(seed_base(seed))
-        fingerprint = tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers(),
-                                                   *pool.k_caches, *pool.v_caches))
-        # parameters gathered into new storage (ZeRO-3, FSDP) or a new KV pool (sized per call): recapture
+        fingerprint = (tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers(),
+                                                    *pool.k_caches, *pool.v_caches)), adapter_state(self.runner.model))
+        # parameters gathered into new storage (ZeRO-3, FSDP), a new KV pool (sized per call), or a PEFT adapter
+        # disabled / switched / merged (the captured step would run the old adapter's code path): recapture
         if fingerprint != self._fingerprint:
             self._fingerprint = fingerprint
             self._clear_graphs()

@@ -23,7 +23,9 @@ Lifetime: the copy follows the KV pool's. It is made at the start of a call, aft
 budget sets the copy's bytes aside first: `pending_bytes`, passed as reserve), and freed at the end of the call when
 the pool is (the default `kv_cache_release=True`): the training step's forward and backward never see it. Where the
 pool is kept (`kv_cache_release=False`, or the calls of one rollout with `keep_pool=True`) the copy is kept too,
-refreshed in place when the weights changed (same addresses: CUDA graphs and compiled steps need not recapture).
+refreshed in place when the weights may have changed (same addresses: CUDA graphs and compiled steps need not
+recapture): at every call unless the engine's caller reports weight changes (`weight_state.py`: `invalidate`), and
+whenever a weight's address or version counter moved.
 Where decode steps are captured (`stable=True`) the copy lives in one reserved address range (`kv_memory`, as the KV
 pool): its memory is given back at the end of a call all the same, and the next call's copy lands at the same
 addresses, so the graphs captured on it replay instead of being captured again.
@@ -190,6 +192,11 @@ class WeightCopy:
             self._views[id(p)].copy_(p.detach())
         self._copies = dict(self._views)
         return True
+
+    def invalidate(self) -> None:
+        """The float32 weights may have changed where the fingerprint cannot see it (a fused optimizer step,
+        `p.data.copy_`, inference tensors: `weight_state.py`): the next `refresh` copies them again (in place)."""
+        self._fingerprint = ()
 
     def release(self) -> None:
         """Free the copy (its memory goes back to the allocator, or to the device from its reserved range, for the

@@ -123,12 +123,6 @@ class SharedPrefixForward:
         return forward
 
     # ------------------------------------------------------------------ the forward
-    def fits(self, layout: GroupedLayout, width: int) -> bool:
-        """Whether the packed forward computes TRL's function for this batch (`width`: TRL's `P + C`): always. (Llama
-        4's temperature tuning, which scales queries by the token's index in the forward, is applied by the grouped
-        attention from each token's column in TRL's batch: `engine.attention.positional_temperature`.)"""
-        return True
-
     def context(self, layout: GroupedLayout, entropy: bool) -> GroupedContext:
         return GroupedContext(layout=layout, layers=self.layers, entropy=entropy)
 

@@ -41,6 +41,7 @@ from .sub_batches import (
     slice_rows,
     split_inputs,
 )
+from .weight_events import WeightEvents
 
 # accelerate setups whose gradient sync the sub-batches' `no_sync` handles (DeepSpeed and FSDP count or shard
 # backward passes themselves: one pass per micro batch there)
@@ -64,6 +65,11 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.engine_config = engine_config_from_args(self.args)
         self._engine: RolloutEngine | None = None
+        # optimizer steps and weight loads reach the engine (its cache across rollouts: `weight_events.py`)
+        self._weight_events = WeightEvents(self.reset_prefix_cache)
+        self.add_callback(self._weight_events)
+        if self.optimizer is not None:  # given through `optimizers=`
+            self._weight_events.hook_optimizer(self.optimizer)
         self._rollout_seeds = RolloutSeeds()
         self._stream_slot = StreamSlot()
         self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
@@ -143,8 +149,9 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         """TRL's `_generate` (first turn, tool loop or `environment_factory` turns, or the user's `rollout_func`),
         one rollout: with tools, environments or a `rollout_func`, every engine call in it keeps the KV pool, its
         prefix cache and its finished completions for the next (a turn prefills only the tokens it adds to the
-        conversation); released at the end as `rollout_kv_cache_release` says. The cache never outlives a weight
-        update (the engine checks)."""
+        conversation); released at the end as `rollout_kv_cache_release` says. The cache outlives the rollout only
+        under `rollout_kv_cache_reuse_across_calls=True`, never an optimizer step or a weight load
+        (`weight_events.py`)."""
         self._batch_prompts = prompts
         self._rollout_turn = 0
         try:
@@ -250,6 +257,29 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             finally:
                 model.train(was_training)
 
+    def reset_prefix_cache(self) -> None:
+        """The policy's weights changed (an optimizer step, a weight load: reported by the trainer itself; call it
+        after changing them otherwise, e.g. in a callback): nothing the engine computed from them is reused
+        (`weight_events.py`)."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.reset_prefix_cache()
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        events = getattr(self, "_weight_events", None)
+        if events is not None:
+            events.hook_optimizer(optimizer)
+        return optimizer
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.reset_prefix_cache()
+
+    def _load_best_model(self):
+        super()._load_best_model()
+        self.reset_prefix_cache()
+
     def _get_engine(self, model: torch.nn.Module) -> RolloutEngine:
         """One engine per process, built on first use; its KV pool is allocated once and reused. A different module
         object (a re-wrapped model) gets a new engine, so nothing built on the old one's parameters survives."""
@@ -307,8 +337,6 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if (forward is not None and not compute_aux_loss and all(v is None for v in multimodal.values())
                 and self._policy_module(model) is forward.model):
             layout = pack_rows(input_ids, attention_mask, logits_to_keep)
-            if not isinstance(layout, str) and not forward.fits(layout, input_ids.shape[1]):
-                layout = None  # (Llama 4's index-scaled queries past `floor_scale`): TRL's forward, exact
         if layout is None or isinstance(layout, str):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
