@@ -1,0 +1,422 @@
+"""The trainer fuzzer's pieces: strategies over `GRPOConfig` / `InfiniteGRPOConfig` options, tiny models of the
+model matrix and prompt sets; one case trains `InfiniteGRPOTrainer` and vanilla `GRPOTrainer` from the same initial
+weights and seed on the same completions and compares them.
+
+Completions: `fixed` rollouts patch `_generate_single_turn` on both trainers with one deterministic function of the
+prompt and the row; `engine` rollouts let `InfiniteGRPOTrainer` sample with its engine (streamed rewards included)
+and replay the recorded completions and sampling log-probs through `GRPOTrainer`.
+
+Checked, for every optimizer step: the per-token log-probs (and entropies) of every completion in the loss's forward
+(rows matched by their prompt and completion tokens, whatever micro batch and padding they ran in), every
+parameter's accumulated gradient, the weights after the last step (SGD) and every logged metric (the loss
+included). Tolerance: float32 round-off of different reduction orders and paddings, `REL` of the largest entry of
+the step's gradients / of the weights (a real difference is of order 1e-2 and more on these models); metrics
+relative `REL_METRIC`. A model refused by the engine's contract must fall back with a warning
+(`engine_fallback_reasons`), one refused by the shared-prefix contract with a warning (`shared_prefix_reason`), and
+both must still train exactly as `GRPOTrainer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest.mock import patch
+
+import torch
+from datasets import Dataset
+from hypothesis import strategies as st
+from transformers import PrinterCallback, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_infinite.testing.tiny_configs import build_tiny_model
+from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer
+
+# Draws gated until the helper fixing the case merges (issue 40); the coordinator removes an entry to fuzz it.
+PENDING = {
+    # "Length-dependent RoPE" / Llama 4 chunks: absolute or length-dependent positions in the training forward
+    # (GPT-2 learned positions, OPT, dynamic / longrope RoPE, Llama 4 chunked attention) -- wt-trainer
+    "positions",
+    # "Streamed rewards call a reward function on partial groups": a group-relative reward on engine rollouts
+    # -- wt-trainer
+    "reward_chunks",
+    # "`top_entropy_quantile`, `entropy_coef` and the MoE router auxiliary loss depend on which rows share a micro
+    # batch": drawn here only with one micro batch per generation until fixed -- wt-trainer
+    "split_terms",
+    # "The contract under TRL's default bf16=True" -- wt-contract (the fuzzer runs float32 regardless)
+    "bf16_contract",
+    # "Rollouts from stale weights": `rollout_kv_cache_release=False` across optimizer steps -- wt-cache
+    "stale_cache",
+}
+
+REL = 1e-4  # of the largest entry (gradients of a step, weights)
+REL_METRIC = 1e-3  # metrics: relative, plus `ABS_METRIC`
+ABS_METRIC = 1e-5
+LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+EOS = 1  # the tiny tokenizer's `<eos>`
+TIMING_KEYS = ("runtime", "per_second", "total_flos", "step_time", "train_loss")  # wall-clock metrics
+# TRL's metrics that are a min / max over the rows of each micro batch (then averaged over the micro batches): they
+# depend on which rows share a micro batch (TRL's split is random), compared only with one micro batch per step
+# while "split_terms" is pending
+SPLIT_METRICS = ("clip_ratio/low_min", "clip_ratio/high_max")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model of the matrix: its model type, the config overrides drawn, and what it needs (`gate`: a PENDING
+    entry that must be off; `refused`: `engine` (the engine's contract refuses it) or None)."""
+
+    model_type: str
+    overrides: dict = field(default_factory=dict)
+    gate: str | None = None
+    refused: str | None = None
+    moe: bool = False
+
+
+def _rope(kind: str, **extra) -> dict:
+    return {"rope_parameters": {"rope_type": kind, "rope_theta": 10000.0, **extra}}
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama"),
+    "llama-linear": Family("llama", _rope("linear", factor=2.0)),
+    "llama-yarn": Family("llama", _rope("yarn", factor=2.0, original_max_position_embeddings=256)),
+    "llama3": Family("llama", _rope("llama3", factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=64)),
+    "qwen2": Family("qwen2"),
+    "qwen3": Family("qwen3"),
+    "mistral": Family("mistral"),  # a sliding window is drawn
+    "gemma2": Family("gemma2"),  # soft-caps, sliding layers, eager attention
+    "gemma3_text": Family("gemma3_text"),
+    "olmo2": Family("olmo2"),
+    "phi3": Family("phi3"),
+    "gpt_neox": Family("gpt_neox"),  # partial rotary
+    "starcoder2": Family("starcoder2"),
+    "cohere": Family("cohere"),
+    "granite": Family("granite"),
+    "qwen3_moe": Family("qwen3_moe", moe=True),
+    "mixtral": Family("mixtral", moe=True),
+    # positions that depend on the padding or the length
+    "gpt2": Family("gpt2", gate="positions"),
+    "opt": Family("opt", gate="positions"),
+    "llama-dynamic": Family("llama", _rope("dynamic", factor=2.0), gate="positions"),
+    "phi3-longrope": Family("phi3", {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+        "original_max_position_embeddings": 16}}, gate="positions"),
+    "llama4_text": Family("llama4_text", gate="positions"),  # chunked attention
+    # refused by the engine's contract: TRL's generation, with a warning
+    "mamba": Family("mamba", refused="engine"),
+    "jamba": Family("jamba", refused="engine", moe=True),
+    "gptj": Family("gptj", refused="engine"),
+}
+WINDOWED = {"mistral", "gemma2", "gemma3_text", "starcoder2", "mixtral", "qwen2"}
+WORDS = [str(i) for i in range(20)] + ["the", "answer", "is", "what", "plus", "minus", "times", "a", "b", "knight",
+                                       "knave", "true", "false", "add", "sum", "of", "to", "in", "?", "."]
+
+
+@dataclass
+class Case:
+    family: str
+    model_overrides: dict
+    args: dict  # fields of both configs
+    ours: dict  # `InfiniteGRPOConfig`-only fields
+    prompts: list[str]
+    completion_seed: int
+    rollout: str  # "fixed" | "engine"
+    rewards: tuple[str, ...]
+    peft: bool = False
+    model_seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------- strategies
+def enabled(gate: str | None) -> bool:
+    return gate is None or gate not in PENDING
+
+
+@st.composite
+def cases(draw) -> Case:
+    name = draw(st.sampled_from(sorted(n for n, f in FAMILIES.items() if enabled(f.gate))))
+    family = FAMILIES[name]
+    overrides = dict(family.overrides, num_hidden_layers=draw(st.integers(1, 2)))
+    if name in WINDOWED:
+        overrides["sliding_window"] = draw(st.sampled_from([2, 3, 5, 8]))
+        if name == "qwen2":
+            overrides["use_sliding_window"] = draw(st.booleans())
+    if family.moe:
+        overrides["output_router_logits"] = draw(st.booleans())  # the router's auxiliary loss in TRL's loss
+
+    G = draw(st.integers(2, 4))
+    groups = draw(st.integers(1, 3))
+    spg = draw(st.sampled_from([d for d in (1, 2, 3) if (G * groups) % d == 0]))
+    split = spg > 1 and "split_terms" in PENDING  # split-dependent terms only with one micro batch
+    aux = family.moe and overrides["output_router_logits"]
+    if split and aux:
+        spg = 1
+        split = False
+    loss = draw(st.sampled_from(LOSSES))
+    args = dict(
+        loss_type=loss,
+        num_generations=G,
+        per_device_train_batch_size=G * groups // spg,
+        steps_per_generation=spg,
+        gradient_accumulation_steps=spg * draw(st.sampled_from([1, 1, 2])),
+        num_iterations=draw(st.integers(1, 2)),
+        max_completion_length=draw(st.integers(1, 10)),
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        epsilon=draw(st.sampled_from([0.2, 0.05, 0.5])),
+        temperature=draw(st.sampled_from([1.0, 0.7, 1.3])),
+        beta=draw(st.sampled_from([0.0, 0.0, 0.04, 0.5])),
+        mask_truncated_completions=draw(st.booleans()),
+        scale_rewards=draw(st.sampled_from(["group", "batch", "none"])),
+        gradient_checkpointing=draw(st.booleans()),
+        max_grad_norm=draw(st.sampled_from([0.0, 1.0])),
+        learning_rate=draw(st.sampled_from([0.05, 0.3])),
+    )
+    if draw(st.booleans()):
+        args["epsilon_high"] = args["epsilon"] + draw(st.sampled_from([0.05, 0.3]))
+    if loss in ("grpo", "bnpo", "dr_grpo", "dapo") and draw(st.booleans()):
+        args["delta"] = draw(st.sampled_from([1.05, 2.0]))  # two-sided clipping
+    if draw(st.booleans()):
+        args["off_policy_mask_threshold"] = draw(st.sampled_from([0.01, 0.5]))
+    if not split:
+        if draw(st.booleans()):
+            args["top_entropy_quantile"] = draw(st.sampled_from([0.2, 0.5]))
+        if draw(st.booleans()):
+            args["entropy_coef"] = draw(st.sampled_from([0.01, 0.5]))
+            args["use_adaptive_entropy"] = draw(st.booleans())
+    args["max_steps"] = args["num_iterations"] * draw(st.integers(1, 2)) if args["num_iterations"] == 1 else 2
+
+    refused = family.refused is not None
+    rollout = "engine" if refused else draw(st.sampled_from(["fixed", "fixed", "engine"]))
+    ours = dict(
+        shared_prefix_training=draw(st.booleans()),
+        backward_token_budget=draw(st.sampled_from([None, 4096, 8, 20, 40])),
+    )
+    if rollout == "engine":
+        ours["rollout_max_active_sequences"] = draw(st.sampled_from([None, 1, 3]))
+        if enabled("stale_cache"):
+            ours["rollout_kv_cache_release"] = draw(st.booleans())
+    rewards = ("token_sum",)
+    if draw(st.booleans()):
+        rewards += ("length",)
+        if draw(st.booleans()):
+            args["multi_objective_aggregation"] = "normalize_then_sum"
+    if rollout == "engine" and enabled("reward_chunks") and draw(st.booleans()):
+        rewards += ("group_length_penalty",)
+
+    n_prompts = draw(st.integers(groups, groups + 3))
+    prompts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12))) for _ in range(n_prompts)]
+    return Case(
+        family=name, model_overrides=overrides, args=args, ours=ours, prompts=prompts,
+        completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
+        peft=not refused and draw(st.sampled_from([False, False, False, True])),
+        model_seed=draw(st.integers(0, 3)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+def token_sum(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def length(completion_ids, **kwargs):
+    return [len(ids) / 4.0 for ids in completion_ids]
+
+
+def group_length_penalty(completion_ids, **kwargs):
+    """Kimi k1.5's length penalty: relative to the shortest and longest completion of the batch it is given."""
+    lens = [len(ids) for ids in completion_ids]
+    lo, hi = min(lens), max(lens)
+    return [0.0 if hi == lo else 0.5 - (n - lo) / (hi - lo) for n in lens]
+
+
+REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": group_length_penalty}
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def fixed_completions(seed: int, max_len: int):
+    """`_generate_single_turn` returning completions that are a function of the prompt and the row only: 1 to
+    `max_len` tokens, some ending in EOS."""
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = []
+        for i, p in enumerate(prompt_ids):
+            rng = random.Random(hash((seed, tuple(p), i % num_generations)))
+            ids = [rng.randrange(4, 90) for _ in range(rng.randint(1, max_len))]
+            if rng.random() < 0.4:
+                ids[-1] = EOS
+            out.append(ids)
+        return out, None
+
+    return generate
+
+
+class Capture(TrainerCallback):
+    """The accumulated gradient of each optimizer step (right before the step)."""
+
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def record_logps(trainer, capture: Capture, seen: dict):
+    """Wraps the trainer's log-prob forward: per optimizer step, each loss-forward row's log-probs (and entropies)
+    at its completion tokens, keyed by (step, prompt tokens, completion tokens)."""
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def wrapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, ent, *rest = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if torch.is_grad_enabled():
+            C = logits_to_keep
+            for b in range(input_ids.shape[0]):
+                pmask, cmask = attention_mask[b, :-C].bool(), attention_mask[b, -C:].bool()
+                if not cmask.any():
+                    continue
+                key = (len(capture.grads), tuple(input_ids[b, :-C][pmask].tolist()),
+                       tuple(input_ids[b, -C:][cmask].tolist()))
+                seen.setdefault(key, (logps[b][cmask].detach().clone(),
+                                      None if ent is None else ent[b][cmask].detach().clone()))
+        return (logps, ent, *rest)
+
+    trainer._get_per_token_logps_and_entropies = wrapped
+
+
+@dataclass
+class Run:
+    trainer: GRPOTrainer
+    capture: Capture
+    logps: dict
+    warnings: list[str]
+
+
+def build_model(case: Case, tmp: Path) -> torch.nn.Module:
+    family = FAMILIES[case.family]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny_model(family.model_type, seed=case.model_seed, **case.model_overrides)
+    if case.args["beta"] > 0 and not case.peft:  # TRL builds the reference model from the policy's path
+        path = tmp / "init"
+        model.save_pretrained(path)
+        model.config._name_or_path = str(path)
+    return model.train()
+
+
+def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
+    ours = cls is InfiniteGRPOTrainer
+    kw = dict(output_dir=str(tmp / cls.__name__), use_cpu=True, bf16=False, report_to="none", optim="sgd",
+              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+              **case.args)
+    args = InfiniteGRPOConfig(**kw, **case.ours) if ours else GRPOConfig(**kw)
+    peft_config = None
+    if case.peft:
+        import peft
+
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                                      init_lora_weights=False)
+    capture = Capture()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(case.model_seed)  # the adapters' initial weights
+        trainer = cls(model=model, reward_funcs=[REWARDS[r] for r in case.rewards], args=args,
+                      train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
+                      peft_config=peft_config, callbacks=[capture])
+        logps: dict = {}
+        record_logps(trainer, capture, logps)
+        if generate is not None:
+            trainer._generate_single_turn = generate
+        trainer.remove_callback(PrinterCallback)
+        # accelerate's `free_memory` at the start of `train` runs `gc.collect()` (1-2 s with hypothesis' heap)
+        with patch("accelerate.utils.memory.clear_device_cache"):
+            trainer.train()
+    return Run(trainer, capture, logps, [str(w.message) for w in caught])
+
+
+def run_case(case: Case, tmp: Path, tokenizer) -> None:
+    model = build_model(case, tmp)
+    initial = copy.deepcopy(model)
+    if case.rollout == "fixed":
+        generate = fixed_completions(case.completion_seed, case.args["max_completion_length"])
+        ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, generate)
+        ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, generate)
+    else:
+        recorded: list = []
+        original = InfiniteGRPOTrainer._generate_single_turn
+
+        def recording(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            recorded.append(out)
+            return out
+
+        calls = iter(recorded)
+        InfiniteGRPOTrainer._generate_single_turn = recording
+        try:
+            ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, None)
+        finally:
+            InfiniteGRPOTrainer._generate_single_turn = original
+        ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, lambda *a, **k: next(calls))
+    check_contracts(case, ours)
+    compare(ours, ref)
+
+
+def check_contracts(case: Case, ours: Run) -> None:
+    """A refused model falls back with a warning; the shared-prefix forward is used or refused with a warning."""
+    trainer = ours.trainer
+    if FAMILIES[case.family].refused == "engine":
+        assert trainer.engine_fallback_reasons, "a model the engine refuses ran on the engine"
+        assert any("instead of the rollout engine" in w for w in ours.warnings), ours.warnings
+    elif case.rollout == "engine":
+        assert trainer.uses_engine, trainer.engine_fallback_reasons
+    if case.ours["shared_prefix_training"] and trainer.shared_prefix is None:
+        assert trainer.shared_prefix_reason, "shared-prefix forward off without a reason"
+        assert any("instead of the shared-prefix forward" in w for w in ours.warnings), ours.warnings
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    assert diff <= REL * scale, f"{what}: max |diff| {diff:.3g} > {REL:g} x {scale:.3g}"
+
+
+def compare(ours: Run, ref: Run) -> None:
+    a, b = ours.capture.grads, ref.capture.grads
+    assert len(a) == len(b) > 0, (len(a), len(b))
+    # log-probs of every row of every step's loss forward
+    assert ref.logps, "no loss forward recorded"
+    missing = [k for k in ref.logps if k not in ours.logps]
+    assert not missing, f"{len(missing)} rows of TRL's loss forward never ran in ours, e.g. {missing[0]}"
+    for key, (want, want_ent) in ref.logps.items():
+        got, got_ent = ours.logps[key]
+        _close(got, want, max(1.0, want.abs().max().item()), f"log-probs of step {key[0]} row {key[1:]}")
+        assert (got_ent is None) == (want_ent is None), "entropies computed in one trainer only"
+        if want_ent is not None:
+            _close(got_ent, want_ent, max(1.0, want_ent.abs().max().item()), f"entropies of step {key[0]}")
+    for step, (got, want) in enumerate(zip(a, b)):
+        assert got.keys() == want.keys() and want, (sorted(set(got) ^ set(want)))
+        scale = max(g.abs().max().item() for g in want.values())
+        for name in want:
+            _close(got[name], want[name], scale, f"gradient of {name} at step {step}")
+    params = dict(ref.trainer.model.named_parameters())
+    scale = max(p.abs().max().item() for p in params.values())
+    for name, p in ours.trainer.model.named_parameters():
+        _close(p.detach(), params[name].detach(), scale, f"weight {name} after training")
+    one_split = ref.trainer.args.steps_per_generation == 1
+    skip = () if one_split or not {"split_terms"} & PENDING else SPLIT_METRICS
+    compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history, skip)
+
+
+def compare_metrics(got: list[dict], want: list[dict], skip: tuple[str, ...] = ()) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for step, (g, w) in enumerate(zip(got, want)):
+        for key, value in w.items():
+            if any(t in key for t in TIMING_KEYS) or key in skip or not isinstance(value, (int, float)):
+                continue
+            assert key in g, f"metric {key} missing at log {step}"
+            x = g[key]
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(x), f"metric {key} at log {step}: {x} vs NaN"
+                continue
+            assert abs(x - value) <= ABS_METRIC + REL_METRIC * abs(value), f"metric {key} at log {step}: {x} vs {value}"
