@@ -134,6 +134,7 @@ class Case:
     rewards: tuple[str, ...]
     peft: bool = False
     model_seed: int = 0
+    completions: list[list[int]] | None = None  # fixed rollouts: row i gets completions[i % len] (shrunk cases)
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
@@ -243,11 +244,13 @@ REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": gro
 
 
 # ---------------------------------------------------------------------------------------------------- running
-def fixed_completions(seed: int, max_len: int):
+def fixed_completions(seed: int, max_len: int, given: list[list[int]] | None = None):
     """`_generate_single_turn` returning completions that are a function of the prompt and the row only: 1 to
-    `max_len` tokens, some ending in EOS."""
+    `max_len` tokens, some ending in EOS (or `given`, row i getting `given[i % len(given)]`)."""
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if given is not None:
+            return [list(given[i % len(given)]) for i in range(len(prompt_ids))], None
         out = []
         for i, p in enumerate(prompt_ids):
             rng = random.Random(hash((seed, tuple(p), i % num_generations)))
@@ -346,7 +349,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
     model = build_model(case, tmp)
     initial = copy.deepcopy(model)
     if case.rollout == "fixed":
-        generate = fixed_completions(case.completion_seed, case.args["max_completion_length"])
+        generate = fixed_completions(case.completion_seed, case.args["max_completion_length"], case.completions)
         ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, generate)
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, generate)
     else:
