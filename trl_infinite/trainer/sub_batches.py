@@ -137,6 +137,6 @@ def merge_metrics(metrics: dict, before: dict[str, int], tokens: list[float], ro
 
 def _weighted(values: list[float], weights: list[float]) -> float:
     total = sum(w for v, w in zip(values, weights) if not math.isnan(v))
-    if total == 0:
-        return float("nan")
+    if total == 0:  # no token in the micro batch: TRL's masked mean divides by `count.clamp(min=1)`, giving 0
+        return 0.0 if any(not math.isnan(v) for v in values) else float("nan")
     return sum(v * w for v, w in zip(values, weights) if not math.isnan(v)) / total
