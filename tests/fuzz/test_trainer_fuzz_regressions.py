@@ -6,6 +6,8 @@ gradient, the weights and every logged metric (`_fuzz_trainer.run_case`).
    one token long, TRL's batch 4 columns wide): TRL's metrics read a [B, 1] tensor as one value per sequence
    (`importance_sampling_level="sequence"`), so `entropy` (and `kl`, the clip ratios) were divided by the number of
    rows instead of the number of tokens: 0.568 vs `GRPOTrainer`'s 4.547 (8 rows).
+2. The metrics of a micro batch without unmasked tokens, cut into slices by `backward_token_budget`, merged to NaN
+   (logged None) where `GRPOTrainer` logs 0.0.
 """
 
 from __future__ import annotations
@@ -27,4 +29,17 @@ def test_a_micro_batch_is_never_trimmed_to_one_completion_column(tmp_path):
                 ours={"shared_prefix_training": True, "backward_token_budget": None},
                 prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
                 completions=[[EOS], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_metrics_of_a_micro_batch_without_tokens_cut_into_slices(tmp_path):
+    """2. Every completion truncated under `mask_truncated_completions=True` and the micro batch cut into slices by
+    `backward_token_budget`: the merged token means (`entropy`, the clip ratios) were NaN (logged as None) where
+    TRL's masked mean divides by `count.clamp(min=1)` and logs 0.0."""
+    args = {**ARGS, "mask_truncated_completions": True, "loss_type": "luspo", "num_generations": 3,
+            "per_device_train_batch_size": 3}
+    case = Case(family="qwen3", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": 8},
+                prompts=["what is 1 plus 2 ?"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=[[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
     run_case(case, tmp_path, tiny_tokenizer())
