@@ -64,7 +64,7 @@ TIMING_KEYS = ("runtime", "per_second", "total_flos", "step_time", "train_loss")
 # TRL's metrics computed per micro batch (a token mean, or a min / max over its rows) and then averaged over the
 # micro batches: they depend on which rows share a micro batch (TRL's split is random, ours groups rows by prompt or
 # length); compared only with one micro batch per generation while "split_terms" is pending
-SPLIT_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+SPLIT_METRICS = ("entropy", "kl", "aux_loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
 
 
@@ -152,14 +152,14 @@ def cases(draw) -> Case:
         overrides["sliding_window"] = draw(st.sampled_from([2, 3, 5, 8]))
         if name == "qwen2":
             overrides["use_sliding_window"] = draw(st.booleans())
-    if family.moe:
-        overrides["output_router_logits"] = draw(st.booleans())  # the router's auxiliary loss in TRL's loss
+    # TRL adds the router's auxiliary loss for every MoE config (one with `output_router_logits`) unless
+    # `router_aux_loss_coef=0.0`
+    aux = family.moe and draw(st.booleans())
 
     G = draw(st.integers(2, 4))
     groups = draw(st.integers(1, 3))
     spg = draw(st.sampled_from([d for d in (1, 2, 3) if (G * groups) % d == 0]))
     split = spg > 1 and "split_terms" in PENDING  # split-dependent terms only with one micro batch
-    aux = family.moe and overrides["output_router_logits"]
     if split and aux:
         spg = 1
         split = False
@@ -182,6 +182,8 @@ def cases(draw) -> Case:
         max_grad_norm=draw(st.sampled_from([0.0, 1.0])),
         learning_rate=draw(st.sampled_from([0.05, 0.3])),
     )
+    if family.moe and not aux:
+        args["router_aux_loss_coef"] = 0.0
     if draw(st.booleans()):
         args["epsilon_high"] = args["epsilon"] + draw(st.sampled_from([0.05, 0.3]))
     if loss in ("grpo", "bnpo", "dr_grpo", "dapo") and draw(st.booleans()):
