@@ -374,8 +374,13 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
                 out = original(self, *args, **kwargs)
             finally:
                 depth[0] -= 1
-            if depth[0] == 0:
-                recorded.append(out)
+            if depth[0] == 0:  # with the global RNG after it (TRL's `generate` fallback samples from it)
+                recorded.append((out, torch.get_rng_state()))
+            return out
+
+        def replay(*args, **kwargs):
+            out, rng = next(calls)
+            torch.set_rng_state(rng)  # `bnpo`'s random split draws from it next, in both trainers
             return out
 
         calls = iter(recorded)
@@ -384,7 +389,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
             ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, None)
         finally:
             InfiniteGRPOTrainer._generate_single_turn = original
-        ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, lambda *a, **k: next(calls))
+        ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, replay)
     check_contracts(case, ours)
     compare(ours, ref)
 
