@@ -23,7 +23,7 @@ from _models import tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 
 settings.register_profile(
-    "trainer-fuzz-ci", max_examples=150, derandomize=True, deadline=None, database=None, print_blob=True,
+    "trainer-fuzz-ci", max_examples=200, derandomize=True, deadline=None, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
