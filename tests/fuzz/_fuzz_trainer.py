@@ -409,7 +409,9 @@ def check_contracts(case: Case, ours: Run) -> None:
 
 def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
     diff = (got - want).abs().max().item() if want.numel() else 0.0
-    scale = max(scale, 1e-20)  # all-zero (or denormal) gradients: equal up to underflow
+    # a zero (or vanishing) reference, e.g. the KL term's gradient at the reference weights, exactly 0 only where
+    # both forwards round alike: compared to 1e-3 (gradients of these models are of order 0.1 to 1)
+    scale = max(scale, 1e-3)
     assert diff <= REL * scale, f"{what}: max |diff| {diff:.3g} > {REL:g} x {scale:.3g}"
 
 
