@@ -1,13 +1,13 @@
 """Differential fuzzer of the trainer (issue 40): random `GRPOConfig` / `InfiniteGRPOConfig` options, tiny models of
 the model matrix, prompt sets and completions; `InfiniteGRPOTrainer` must train exactly as `GRPOTrainer` does on the
-same completions from the same weights and seed (log-probs, every gradient, the weights, every logged metric; see
-`_fuzz_trainer.py` for the draws, the checks and the tolerances), and a model a contract refuses must fall back with
-a warning. Draws in `_fuzz_trainer.PENDING` are off until the fix of their issue-40 case merges.
+same completions from the same weights and seed (log-probs, every gradient, the weights, every logged metric), and a
+model a contract refuses must fall back with a warning. Draws: `_fuzz_trainer.py` (those in `PENDING` are off until
+the fix of their issue-40 case merges); checks and tolerances: `_fuzz_trainer_run.py`.
 
-CI runs the `fuzz-ci` profile: derandomized (the same examples every run), a fixed number of examples.
-`pytest tests/fuzz --fuzz-long` (or `TRL_INFINITE_FUZZ=long`) runs `fuzz-long`: random examples, many more of them.
-`TRL_INFINITE_FUZZ_EXAMPLES=N` sets the number of examples of either. Shrunk failures are kept as ordinary tests in
-`test_fuzz_regressions.py`.
+CI runs the `trainer-fuzz-ci` profile: derandomized (the same examples every run), 200 examples (about 110 s on a
+shared 2-core machine). `pytest tests/fuzz --fuzz-long` (or `TRL_INFINITE_FUZZ=long`) runs `trainer-fuzz-long`:
+random examples, many more of them. `TRL_INFINITE_FUZZ_EXAMPLES=N` sets the number of examples of either. Shrunk
+failures are kept as ordinary tests in `test_trainer_fuzz_regressions.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fuzz_trainer import cases, run_case
+from _fuzz_trainer import cases
+from _fuzz_trainer_run import run_case
 from _models import tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 

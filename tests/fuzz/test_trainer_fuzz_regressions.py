@@ -1,6 +1,6 @@
 """Failures the trainer fuzzer (`test_trainer_fuzz.py`) found, shrunk, kept as ordinary tests (each failed before its
 fix). Each trains `InfiniteGRPOTrainer` and `GRPOTrainer` on the same completions and compares log-probs, every
-gradient, the weights and every logged metric (`_fuzz_trainer.run_case`).
+gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
 
 1. A micro batch trimmed to one completion column (`mask_truncated_completions=True`, the only unmasked completion
    one token long, TRL's batch 4 columns wide): TRL's metrics read a [B, 1] tensor as one value per sequence
@@ -12,7 +12,8 @@ gradient, the weights and every logged metric (`_fuzz_trainer.run_case`).
 
 from __future__ import annotations
 
-from _fuzz_trainer import EOS, Case, run_case
+from _fuzz_trainer import EOS, Case
+from _fuzz_trainer_run import run_case
 from _models import tiny_tokenizer
 
 ARGS = dict(
