@@ -167,9 +167,11 @@ def test_model_forcing_autocast_is_refused_saying_so():
 
 
 def test_model_with_state_outside_the_cache_is_refused_under_autocast_too():
+    """Refused by the float32 decision, which runs first under autocast too, with its float32 reason."""
     model = _mixing_model(only_under_autocast=False)
     with _autocast(BF16), pytest.raises(support.UnsupportedModelError,
-                                        match="and without autocast too, so some layer keeps state"):
+                                        match=r"in float32 \(checked on its own float32 weights\): .*so some layer "
+                                              "keeps state between forwards outside the KV cache"):
         RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
 
 

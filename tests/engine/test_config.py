@@ -299,3 +299,11 @@ def test_the_option_classes_it_replaced_are_gone():
     sim_fields = {f.name for f in dataclasses.fields(SimConfig)}
     assert sim_fields == {"engine", "prompts_per_call", "max_new_tokens", "step_ms"}
     assert all(issubclass(cls, Section) for cls in SECTIONS.values())
+
+
+@pytest.mark.parametrize("value", [123, 1.5, ["model"], {"path": "x"}, True])
+def test_speculative_draft_model_must_be_a_module_or_a_path(value):
+    """Regression: `speculative_draft_model=123` went to `from_pretrained` (the Hub)."""
+    with pytest.raises(ValueError, match=r"`speculative_draft_model` must be a `torch.nn.Module`, a local path"):
+        EngineConfig(speculative_method="draft_model", speculative_draft_model=value)
+    EngineConfig(speculative_method="draft_model", speculative_draft_model="some/local-path")  # loaded by the engine

@@ -123,3 +123,105 @@ def test_train_mode_dropout_is_off_and_the_mode_restored(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         engine.generate(prompts, 1, sampling)
     assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+# ---------------------------------------------------------------------------------------------------- issue 40, item 7
+@pytest.mark.parametrize("value", ["false", "False", 0, 1, None, np.bool_(False)])
+def test_do_sample_must_be_a_bool(value):
+    """Regression: `do_sample="false"` (a truthy string) sampled."""
+    with pytest.raises(ValueError, match="`do_sample` must be True or False"):
+        SamplingParams(do_sample=value)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {}, GREEDY.__dict__, "greedy", 0.0])
+def test_sampling_must_be_sampling_params(engine, sampling):
+    """Regression: a dict was an `AttributeError` (and an empty one silently the defaults). As vLLM's `generate`,
+    only `SamplingParams` (or None) is accepted."""
+    with pytest.raises(ValueError, match="`sampling` must be a `SamplingParams`"):
+        engine.generate([[5, 6]], 1, sampling)
+
+
+def test_sampling_fields_set_after_construction_are_checked(engine):
+    sp = SamplingParams(max_new_tokens=4)
+    sp.do_sample = "false"
+    with pytest.raises(ValueError, match="do_sample"):
+        engine.generate([[5, 6]], 1, sp)
+    sp.do_sample, sp.top_p = False, 1.5
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[5, 6]], 1, sp)
+
+
+def _forwards(model) -> list:
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+    return calls
+
+
+ID_KWARGS = {
+    "forced_eos_token_id": VOCAB, "forced_bos_token_id": VOCAB, "suppress_tokens": [3, VOCAB],
+    "begin_suppress_tokens": [VOCAB, 7], "bad_words_ids": [[4], [5, VOCAB]], "sequence_bias": [[[VOCAB], 1.0]],
+}
+
+
+@pytest.mark.parametrize("key", sorted(ID_KWARGS))
+def test_generation_kwarg_ids_beyond_the_vocabulary_are_refused_before_the_call(key):
+    """Regression: `forced_eos_token_id` beyond the vocabulary was an `IndexError` at the last step (and an
+    out-of-vocabulary `suppress_tokens` id silently ignored). Refused before any forward, naming the key."""
+    model = tiny_model("qwen3")
+    engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+    calls = _forwards(model)
+    sp = SamplingParams(max_new_tokens=4, eos_token_ids=[2], generation_kwargs={key: ID_KWARGS[key]})
+    with pytest.raises(ValueError, match=rf"generation_kwargs\['{key}'\].*{VOCAB}.*vocabulary"):
+        engine.generate([[5, 6, 7]], 2, sp)
+    assert not calls
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"suppress_tokens": [1.5]}, r"\['suppress_tokens'\].*float"),
+    ({"forced_eos_token_id": True}, r"\['forced_eos_token_id'\].*bool"),
+    ({"bad_words_ids": [[-1]]}, r"\['bad_words_ids'\].*-1"),
+    ({"bad_words_ids": [3]}, r"\['bad_words_ids'\].*list of token-id lists"),
+    ({"begin_suppress_tokens": ["a"]}, r"\['begin_suppress_tokens'\].*str"),
+    ({"exponential_decay_length_penalty": (2, 1.5)}, r"exponential_decay_length_penalty.*EOS"),
+])
+def test_generation_kwarg_types_and_companions_are_refused_naming_the_key(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(max_new_tokens=4, generation_kwargs=kwargs)
+
+
+def test_processor_argument_errors_come_before_the_call():
+    """`generate`'s own processor checks (an empty `bad_words_ids`) run when the call starts, before any forward."""
+    model = tiny_model("qwen3")
+    engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+    calls = _forwards(model)
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        engine.generate([[5, 6]], 1, SamplingParams(max_new_tokens=4, generation_kwargs={"bad_words_ids": []}))
+    assert not calls
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"forced_eos_token_id": VOCAB - 1}, {"forced_bos_token_id": 0}, {"suppress_tokens": [0, VOCAB - 1]},
+    {"begin_suppress_tokens": [0, VOCAB - 1]}, {"bad_words_ids": [[0], [VOCAB - 1], [5, 6]]},
+    {"sequence_bias": [[[0], 2.0], [[VOCAB - 1], 3.0]]}, {"min_new_tokens": 9},
+    {"exponential_decay_length_penalty": (1, 1.5)},
+])
+def test_generation_kwargs_at_the_vocabulary_edges_give_generates_tokens(engine, kwargs):
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, eos_token_ids=[VOCAB - 1, 0], generation_kwargs=kwargs)
+    model = engine.model
+    for prompt in ([7], [5, 6, 7]):
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              eos_token_id=[VOCAB - 1, 0], pad_token_id=0, **kwargs)[0, len(prompt):].tolist()
+        want = want[: next((i + 1 for i, t in enumerate(want) if t in (0, VOCAB - 1)), len(want))]
+        assert engine.generate([prompt], 1, sp).completion_ids == [want]
+
+
+def test_forced_eos_with_max_new_tokens_none_forces_it_at_the_models_limit():
+    """`max_new_tokens=None` runs to `max_position_embeddings`: `forced_eos_token_id` is forced at that limit (not at
+    `GenerationConfig`'s default `max_length` of 20)."""
+    model = tiny_model("qwen3", max_position_embeddings=28)
+    engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))
+    sp = SamplingParams(max_new_tokens=None, temperature=0.0, eos_token_ids=[2],
+                        generation_kwargs={"forced_eos_token_id": 2, "min_new_tokens": 24})
+    (out,) = engine.generate([[5, 6, 7]], 1, sp).completion_ids
+    assert len(out) == 25 and out[-1] == 2 and 2 not in out[:-1]

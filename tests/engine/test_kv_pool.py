@@ -62,6 +62,23 @@ def test_pool_is_sized_from_tokens_or_gigabytes(model):
     assert cache_bytes == 10 * pool.block_bytes  # K and V (null block included) fill exactly the budget
 
 
+def test_a_companion_pool_is_paid_by_a_byte_budget_not_by_a_token_budget(model):
+    """A draft model's pool mirrors this pool's blocks (`companion_block_bytes`): a byte budget pays for both, a token
+    budget counts tokens (issue 40: the draft pool ignored `kv_cache_gb`)."""
+    cfg, cpu = model.config, torch.device("cpu")
+    block = KVCachePool(cfg, EngineConfig(kv_cache_tokens=64, block_size=16), torch.float32, cpu).block_bytes
+    gb = 10 * block / 1e9 * 1.0001
+    pool = KVCachePool(cfg, EngineConfig(kv_cache_gb=gb, block_size=16), torch.float32, cpu, companion_block_bytes=block)
+    assert pool.budget_blocks() == 4  # 10 blocks' bytes pay for 5 of each pool, one of them the null block
+    assert (pool.budget_blocks() + 1) * (pool.block_bytes + block) <= gb * 1e9
+    tokens = KVCachePool(cfg, EngineConfig(kv_cache_tokens=100, block_size=16), torch.float32, cpu,
+                         companion_block_bytes=block)
+    assert tokens.budget_blocks() == 5
+    with pytest.raises(ValueError, match=r"`kv_cache_gb` gives a KV pool of less than two blocks.*draft model"):
+        KVCachePool(cfg, EngineConfig(kv_cache_gb=3 * block / 1e9, block_size=16), torch.float32, cpu,
+                    companion_block_bytes=block)
+
+
 @pytest.mark.parametrize("release", [True, False])
 def test_pool_sized_per_call_and_released_after_it(model, release):
     """Each call allocates what it can use (prompts + the slots' completions, rounded up by at most 12.5%), never

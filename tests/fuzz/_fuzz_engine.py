@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from unittest.mock import patch
 
 import torch
+from _fuzz_edges import COMPATIBLE_DRAFTS, REFUSED_DRAFTS, draft_variant, edge_generation_kwargs
 from _models import tiny_model
 from hypothesis import strategies as st
 
@@ -60,6 +61,7 @@ class Case:
     calls: list[Call] = field(default_factory=list)
     plan_seed: int | None = None
     graphs: bool = False  # decode steps captured and replayed (the CPU capture emulation; the pool at fixed addresses)
+    draft: str = "same"  # the draft model's variant (`DRAFT_VARIANTS`), for 'draft_model' / 'best_of_n'
 
     def engine_config(self, draft_model=None) -> EngineConfig:
         bs = self.config["block_size"]
@@ -98,12 +100,12 @@ def sampling_params(draw, eos_pool: list[int]) -> SamplingParams:
               repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
               raw_logprobs_temperature=draw(st.sampled_from([None, None, 1.0, 0.7])))
     if draw(st.integers(0, 7)) == 0:  # a key beyond the fast path: the eager decode path with `generate`'s processors
-        kw["generation_kwargs"] = draw(st.sampled_from([{"no_repeat_ngram_size": 2}, {"min_new_tokens": 3},
-                                                         {"suppress_tokens": [1, 2, 3]}]))
+        kw["generation_kwargs"] = draw(edge_generation_kwargs(bool(eos), kw["max_new_tokens"]))
     if greedy:
         kw["temperature"] = 0.0
     else:
-        kw.update(temperature=draw(st.sampled_from([0.7, 1.0, 1.3])), top_k=draw(st.sampled_from([0, 0, 5, 20])),
+        kw.update(temperature=draw(st.sampled_from([0.7, 1.0, 1.3])),
+                  top_k=draw(st.sampled_from([0, 0, 5, 20, 1, VOCAB, VOCAB + 50])),  # edges: 1, the vocabulary, above
                   top_p=draw(st.sampled_from([1.0, 1.0, 0.9])), min_p=draw(st.sampled_from([0.0, 0.0, 0.05])))
     return SamplingParams(**kw)
 
@@ -156,6 +158,8 @@ def engine_settings(draw, allow_compile: bool) -> dict:
 def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
     case = Case(arch=draw(st.sampled_from(["qwen3", "llama"])), config=draw(engine_settings(allow_compile)),
                 extra_blocks=draw(st.sampled_from([0, 0, 1, 3, 8, 64])), graphs=draw(st.integers(0, 5)) == 0)
+    if case.config.get("speculative_method") in ("draft_model", "best_of_n"):
+        case.draft = draw(st.sampled_from(["same", "same", *COMPATIBLE_DRAFTS]))
     if case.config.get("speculative_decoupled") and case.config.get("speculative_draft_window") is None:
         case.plan_seed = draw(st.one_of(st.none(), st.integers(0, 2**32 - 1)))
     for _ in range(draw(st.integers(1, 3))):  # several calls on one engine: history, predictors, pool reuse
@@ -333,7 +337,7 @@ def run_case(case, model=None) -> None:
     instead of the world's (a fresh `tiny_model(case.arch)` has the same weights, so the same references)."""
     w = world()
     model = w.models[case.arch] if model is None else model
-    config = case.engine_config(w.draft)
+    config = case.engine_config(w.draft if case.draft == "same" else draft_variant(case.draft, model))
     with emulate_cuda_graphs() if case.graphs else nullcontext():
         engine = RolloutEngine(model, config)
     for call in case.calls:
@@ -367,3 +371,36 @@ def interrupted(model, engine: RolloutEngine, call: Call) -> None:
     assert (engine.pool.allocated_bytes == 0) == engine.config.kv_cache.release
     assert engine.predictor.predictions == {}
     assert (model.training, model.config._attn_implementation) == state
+
+
+# ---------------------------------------------------------------------------------- issue 40: mismatched drafts
+@st.composite
+def draft_cases(draw) -> tuple[str, str, dict, Call]:
+    """(target arch, draft variant, speculative settings, one call)."""
+    spec = dict(speculative_method=draw(st.sampled_from(["draft_model", "best_of_n"])),
+                speculative_num_tokens=draw(st.integers(1, 4)), speculative_adaptive=draw(st.booleans()),
+                speculative_decoupled=draw(st.booleans()))
+    if spec["speculative_decoupled"]:
+        spec["speculative_draft_window"] = draw(st.integers(1, spec["speculative_num_tokens"]))
+    sampling = SamplingParams(max_new_tokens=draw(st.integers(4, 16)), temperature=draw(st.sampled_from([0.0, 1.0])),
+                              seed=draw(st.integers(0, 2**32)))
+    call = Call(draw(prompt_sets()), draw(st.integers(1, 3)), sampling)
+    return (draw(st.sampled_from(["qwen3", "llama"])), draw(st.sampled_from([*COMPATIBLE_DRAFTS, *REFUSED_DRAFTS])),
+            spec, call)
+
+
+def run_draft_case(arch: str, variant: str, spec: dict, call: Call) -> None:
+    """Refused at build time naming `speculative_draft_model`, or every token the reference's."""
+    w = world()
+    model = w.models[arch]
+    draft = draft_variant(variant, model)
+    try:
+        engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=4096, speculative_draft_model=draft, **spec))
+    except ValueError as e:
+        assert "speculative_draft_model" in str(e), str(e)
+        assert variant in REFUSED_DRAFTS, f"compatible draft {variant} refused: {e}"
+        return
+    assert model.config is not draft.config
+    result = engine.generate(call.prompts, call.num_generations, call.sampling)
+    check_call(model, engine, call, result, w.reference(arch, call))
+    model(torch.tensor([[1, 2, 3]]))  # the target's own attention is its own again

@@ -2,7 +2,12 @@
 prompts and call sequences on one engine; every call must give exactly the reference's tokens (greedy:
 `model.generate`; sampled: the canonical plain engine with the same seed), every sample must run to EOS or
 `max_new_tokens`, no block may stay held, the pool's peak must stay within the budget. One case in six captures and
-replays its decode steps (the CPU capture emulation, the KV pool at fixed addresses across the calls).
+replays its decode steps (the CPU capture emulation, the KV pool at fixed addresses across the calls). The draws
+include generation kwargs at their edges (ids 0 and vocab-1, empty lists, `min_new_tokens` above `max_new_tokens`,
+`top_k` at and above the vocabulary) and draft models that differ from the target (depth, heads, width, family,
+vocabulary, dtype, the target's own config object). Two more tests (issue 40): draft models that do not match the
+target are refused at build time naming `speculative_draft_model` or give the reference's tokens; one bad input among
+edge values is refused before the model runs, naming the field.
 
 CI runs the `fuzz-ci` profile: derandomized (the same examples every run), a fixed number of examples, no compile.
 `pytest tests/fuzz --fuzz-long` (or `TRL_INFINITE_FUZZ=long`) runs the `fuzz-long` profile: random examples, many
@@ -16,8 +21,12 @@ import os
 
 import pytest
 import torch
-from _fuzz_engine import cases, run_case, world
+from _fuzz_edges import bad_inputs, check_refused_before_the_call
+from _fuzz_engine import cases, draft_cases, run_case, run_draft_case, world
+from _models import tiny_model
 from hypothesis import HealthCheck, given, settings
+
+from trl_infinite.engine import EngineConfig, RolloutEngine
 
 settings.register_profile(
     "fuzz-ci", max_examples=160, derandomize=True, deadline=None, database=None, print_blob=True,
@@ -58,5 +67,37 @@ def test_engine_is_lossless_under_every_configuration(request):
     @given(case=cases(eos_pool, allow_compile=allow_compile))
     def fuzz(case):
         run_case(case)
+
+    fuzz()
+
+
+def _fewer(profile: settings, ci: int, long: int) -> settings:
+    """The profile with `ci` examples (CI) or `long` (the long profile), unless `TRL_INFINITE_FUZZ_EXAMPLES` set it."""
+    if os.environ.get("TRL_INFINITE_FUZZ_EXAMPLES"):
+        return profile
+    return settings(profile, max_examples=ci if profile.derandomize else long)
+
+
+def test_draft_models_that_do_not_match_the_target_are_refused_or_lossless(request):
+    """Issue 40: other depth / heads / width / family / vocabulary / special ids / dtype, or the target's own config
+    object: a `ValueError` naming `speculative_draft_model` when the engine is built, or the reference's tokens."""
+
+    @_fewer(_profile(request), ci=12, long=150)
+    @given(case=draft_cases())
+    def fuzz(case):
+        run_draft_case(*case)
+
+    fuzz()
+
+
+def test_bad_inputs_are_refused_before_the_call_naming_the_field(request):
+    """Issue 40: one bad `SamplingParams` field or generation kwarg among edge values: a `ValueError` naming it,
+    before the model runs (no forward)."""
+    engine = RolloutEngine(tiny_model("qwen3"), EngineConfig(kv_cache_tokens=256, block_size=4))
+
+    @_fewer(_profile(request), ci=40, long=400)
+    @given(bad=bad_inputs())
+    def fuzz(bad):
+        check_refused_before_the_call(engine, [[5, 6, 7], [8]], *bad)
 
     fuzz()

@@ -20,7 +20,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
-from trl_infinite.trainer.packing import pack_rows
+from trl_infinite.trainer.packing import GroupedLayout, pack_rows
+from trl_infinite.trainer.shared_prefix import SharedPrefixForward, SharedPrefixUnsupported, _reference, probe_batch
 
 LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ARCHS = {
@@ -184,3 +185,76 @@ def test_kv_pool_is_free_during_the_backward(tmp_path, tokenizer, dataset, model
     assert all(k <= s.limit_bytes for k, (_, s) in zip(kept, during_backward))
     held = [h["rollout/peak_kv_gb"] for h in trainer.state.log_history if "rollout/peak_kv_gb" in h]
     assert held and all(v > 0 for v in held)  # the rollouts did use the pool
+
+
+def _llama4(chunk: int):
+    return build_tiny_model("llama4_text", attention_chunk_size=chunk).train()
+
+
+def test_packed_chunked_attention_counts_chunks_from_each_rows_first_token(tmp_path, tokenizer, dataset):
+    """Llama 4 (chunks of 3; the second group's 7 padding columns are not a multiple of 3): the packed forward's
+    log-probs and entropies are the model's own padded forward's (TRL's fused head cannot run `Llama4ForCausalLM`,
+    whose `base_model` is itself, so the reference is the model's forward). Counting chunks from column 0 was 5%
+    off."""
+    ours = InfiniteGRPOTrainer(model=_llama4(3), reward_funcs=token_sum_reward, processing_class=tokenizer,
+                               args=cpu_args(tmp_path, per_device_train_batch_size=6, num_generations=3,
+                                             max_completion_length=7, temperature=0.9), train_dataset=dataset)
+    forward = ours.shared_prefix
+    assert forward is not None, ours.shared_prefix_reason
+    inputs = trl_batch(ours.model.config.vocab_size)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        want = _reference(forward.model, forward._previous, ids, mask, 7, forward.head)
+        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 7, compute_entropy=True)
+    assert_close(got[0], want[0], "log-probs")
+    assert_close(got[1], want[1], "entropies")
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 4, 5, 7, 8, 10])
+def test_probe_pads_by_a_non_multiple_of_the_chunk(chunk):
+    L = max(24, chunk + 2)
+    _, mask, keep = probe_batch(torch.arange(4, 4 + L), [chunk])
+    pads = (mask[:, :-keep] == 0).sum(1)
+    assert any(int(p) % chunk for p in pads)
+
+
+def test_probe_refuses_chunks_counted_from_column_0(monkeypatch):
+    """The start-up probe sees a packed forward that counts chunks from column 0 (the old bug) and refuses it."""
+    from trl_infinite.trainer.logprobs import HeadSpec
+
+    def column_masks(self, sliding_window, chunk_size):  # the bug: the masks numbered by column
+        from trl_infinite.trainer.packing import _mask
+
+        pos = self.position_ids[0]
+        return (_mask(pos, self.shared_index, self.shared_valid, self.shared_index, self.shared_valid,
+                      sliding_window, chunk_size),
+                _mask(pos, self.row_index, self.row_valid, self.row_keys, self.row_keys_valid, sliding_window,
+                      chunk_size))
+
+    model = _llama4(5)
+    head = HeadSpec.from_model(model, 1.0, False)
+    monkeypatch.setattr(GroupedLayout, "masks", column_masks)
+    with pytest.raises(SharedPrefixUnsupported, match="does not reproduce"):
+        SharedPrefixForward.install(model, head)
+    monkeypatch.undo()
+    SharedPrefixForward.install(model, head).uninstall()
+
+
+def test_llama4_index_scaled_queries_bound_the_packed_forward():
+    """Llama 4's NoPE layers scale queries by the token's index in the forward (`floor_scale`), not by its
+    position: the packed forward is used only while packed indices and TRL's columns both stay below the first
+    index that scales (TRL's forward otherwise)."""
+    from trl_infinite.trainer.shared_prefix import index_limit
+
+    model = build_tiny_model("llama4_text", attention_chunk_size=3, no_rope_layers=[0, 1], floor_scale=64)
+    assert index_limit(model) == 63
+    assert index_limit(build_tiny_model("llama4_text", no_rope_layers=[0, 1], attn_temperature_tuning=False)) is None
+    assert index_limit(tiny_model("llama")) is None
+    forward = SharedPrefixForward(model, None, {})
+    inputs = trl_batch(model.config.vocab_size)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    layout = pack_rows(ids, torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 7)
+    assert forward.fits(layout, ids.shape[1])
+    forward.index_limit = layout.num_tokens
+    assert not forward.fits(layout, ids.shape[1])

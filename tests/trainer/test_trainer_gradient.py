@@ -8,6 +8,7 @@ from trainer_helpers import cpu_args, token_sum_reward
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
 from trl_infinite.trainer.backprop import make_micro_batches, trim_padding
 
@@ -32,14 +33,15 @@ class GradCapture(TrainerCallback):
             self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def accumulated_grads(cls, config_cls, tmp_path, tokenizer, dataset, generate=fixed_completions, **overrides):
+def accumulated_grads(cls, config_cls, tmp_path, tokenizer, dataset, generate=fixed_completions, model=None,
+                      **overrides):
     args = cpu_args(
         tmp_path / cls.__name__, cls=config_cls, gradient_accumulation_steps=3, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=9, max_grad_norm=0.0, **overrides,
     )
     capture = GradCapture()
     trainer = cls(
-        model=tiny_model("qwen3").train(), reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
+        model=(model if model is not None else tiny_model("qwen3")).train(), reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
         processing_class=tokenizer, callbacks=[capture],
     )
     if generate is not None:
@@ -57,6 +59,32 @@ def test_accumulated_gradient_matches_trl(tmp_path, tokenizer, dataset, loss_typ
     assert scale > 0
     for name in ref:
         # float32 sums over differently padded/ordered micro batches: equal up to rounding
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+SPLIT_DEPENDENT = {
+    "entropy_bonus": dict(entropy_coef=0.5),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5),
+    "moe_aux_loss": dict(router_aux_loss_coef=0.5),
+}
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prefix", "padded"])
+@pytest.mark.parametrize("term", list(SPLIT_DEPENDENT))
+def test_split_dependent_terms_get_trls_split(tmp_path, tokenizer, dataset, term, shared):
+    """The entropy bonus (a token mean per micro batch), the top-entropy quantile (over the micro batch) and the MoE
+    router loss (over the micro batch's tokens) depend on which rows share a micro batch: with them on, the micro
+    batches are TRL's own random split (same generator draw), so the gradient is `GRPOTrainer`'s. Grouping rows by
+    prompt or length was off by up to 100%."""
+    model = (lambda: build_tiny_model("qwen2_moe")) if term == "moe_aux_loss" else (lambda: tiny_model("qwen3"))
+    kw = dict(SPLIT_DEPENDENT[term], loss_type="dapo")
+    ours, trainer = accumulated_grads(InfiniteGRPOTrainer, None, tmp_path, tokenizer, dataset, model=model(),
+                                      shared_prefix_training=shared, **kw)
+    assert trainer.split_dependent_loss
+    ref, _ = accumulated_grads(GRPOTrainer, GRPOConfig, tmp_path, tokenizer, dataset, model=model(), **kw)
+    assert ours.keys() == ref.keys() and ref
+    scale = max(g.abs().max().item() for g in ref.values())
+    for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
@@ -101,7 +129,8 @@ def test_micro_batches_sorted_and_trimmed():
     assert sorted(int(c["completion_mask"].sum()) for c in chunks) == [3, 8, 15]  # {1,2} {3,5} {7,8}
     for c in chunks:
         assert c["completion_mask"].shape[1] == int(c["completion_mask"].sum(1).max())  # own longest
-        assert c["prompt_mask"][:, 0].any() and c["completion_mask"][:, -1].any()
+        assert c["prompt_ids"].shape[1] == P  # the prompt columns stay: they number the tokens (TRL's positions)
+        assert c["completion_mask"][:, -1].any()
         assert c["num_items_in_batch"] is batch["num_items_in_batch"]
         for row in range(2):  # rows stay intact: ids/advantages move together
             b = int(c["advantages"][row])
@@ -112,4 +141,5 @@ def test_micro_batches_sorted_and_trimmed():
     assert trim_padding(batch, multiple=4)["completion_ids"].shape[1] == 8
     one = {k: (v[1:2] if k != "num_items_in_batch" else v) for k, v in batch.items()}
     trimmed = trim_padding(one, multiple=4)
-    assert trimmed["completion_ids"].shape[1] == 4 and trimmed["prompt_ids"].shape[1] == 4
+    assert trimmed["completion_ids"].shape[1] == 4 and trimmed["prompt_ids"].shape[1] == P
+    assert all(c["completion_ids"].shape[1] == C for c in make_micro_batches(batch, 3, "grpo", trim=False))

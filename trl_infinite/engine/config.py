@@ -8,6 +8,7 @@ section (`config.kv_cache.tokens`, `config.scheduling.scheduler`), by the module
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from difflib import get_close_matches
 from typing import Any
@@ -27,6 +28,14 @@ DEFAULT_MAX_BATCH = 256  # largest decode batch where no slot limit bounds it (t
 __all__ = ["ATTENTION_BACKENDS", "EngineConfig", "SAMPLING_MODES", "SUFFIX_SOURCES", "SamplingParams"]
 
 _SCHED = "engine/scheduling/"
+
+
+def _is_module(value) -> bool:
+    """An `nn.Module` (torch imported only where a non-path value was given)."""
+    import torch
+
+    return isinstance(value, torch.nn.Module)
+
 _SPEC = "engine/spec_decode/"
 
 
@@ -65,7 +74,7 @@ class DecodeConfig(Section):
 
     attention_backend: str = setting(
         "auto", f"Paged attention backend: one of {list(ATTENTION_BACKENDS)}.",
-        ("engine/engine.py", f"{_SPEC}draft_model.py"), choices=ATTENTION_BACKENDS)
+        ("engine/engine.py", f"{_SPEC}draft_model.py", f"{_SPEC}speculator.py"), choices=ATTENTION_BACKENDS)
     cuda_graphs: bool = setting(
         True, "On CUDA, capture the decode step (forward + sampling) in one CUDA graph per batch bucket on first use "
         "and replay it every step; recaptured when parameter storage changes. Ignored off CUDA.", ("engine/engine.py",))
@@ -85,7 +94,7 @@ class DecodeConfig(Section):
         "engine that uses it starts, after the model passed the support checks and only if a layer's head dims suit "
         "it (about half a minute once per machine, then cached in TORCH_EXTENSIONS_DIR); if it cannot be built, a "
         "warning and the torch path. False: always the torch path. Ignored off CPU.",
-        ("engine/engine.py", f"{_SPEC}draft_model.py"))
+        ("engine/engine.py", f"{_SPEC}draft_model.py", f"{_SPEC}speculator.py"))
     weight_copy: str = setting(
         "auto", "Float32 weights under bfloat16 / float16 autocast (mixed precision): each rollout runs on a 16-bit "
         "copy of the weights autocast casts (Linear weights and biases; norms, embeddings stay float32), made once "
@@ -306,6 +315,11 @@ class SpeculativeConfig(Section):
                              f"got {self.draft_window!r}.")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
+        if self.draft_model is not None and not isinstance(self.draft_model, (str, os.PathLike)) and \
+                not _is_module(self.draft_model):
+            raise ValueError("`speculative_draft_model` must be a `torch.nn.Module`, a local path or a Hub model id "
+                             f"(str / os.PathLike) or None, got {type(self.draft_model).__name__} "
+                             f"{self.draft_model!r:.60}.")
 
 
 @dataclass(frozen=True)
@@ -340,7 +354,7 @@ class EngineConfig(Section):
     sections given); an unknown keyword is a `TypeError` naming it, a bad value a `ValueError` naming the flag.
     """
 
-    block_size: int = setting(16, "Tokens per KV block.", ("engine/kv_pool.py", "engine/call.py",
+    block_size: int = setting(16, "Tokens per KV block.", ("engine/kv_pool.py", "engine/call.py", "engine/engine.py",
                                                             f"{_SPEC}draft_model.py", "sim/replay.py"))
     max_prefill_tokens: int = setting(
         4096, "Most prompt/recompute tokens run through the model in one prefill forward.", ("engine/engine.py",))

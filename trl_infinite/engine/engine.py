@@ -16,6 +16,7 @@ from .config import EngineConfig, SamplingParams
 from .cuda_graphs import graphs_available
 from .eval_mode import eval_mode
 from .executor import ModelExecutor, PrefixCapture, StepContext
+from .generation_checks import check_generation_ids
 from .history import PromptHistory, remember_visits
 from .inputs import check_eos, check_prompts, model_vocab_size
 from .kv_pool import KVCachePool
@@ -72,11 +73,22 @@ class RolloutEngine:
         if self.device.type == "cuda" and decode.cuda_graphs:
             reserve = static_step_bytes(model.config, graph_rows)
         self.graph_reserve = reserve
+        # the speculator first: a draft model is checked like the model (`spec_decode/draft_check.py`) and its pool,
+        # mirroring the target's blocks, is paid for by the same budget
+        self.history = PromptHistory(self.config.history)  # per-prompt, across calls; `history.clear()` forgets it
+        self.speculator = None
+        if self.config.speculative.method is not None:
+            from .spec_decode import Speculator
+
+            self.speculator = Speculator(self.config, self.device, history=self.history, target=model,
+                                         target_support=self.support)
+        draft_bytes = self.speculator.draft_block_bytes(self.config.block_size) if self.speculator is not None else 0
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`); at fixed addresses where decode steps are captured, so the graphs
         # outlive the release (`kv_memory.py`)
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
-                                reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable)
+                                reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable,
+                                companion_block_bytes=draft_bytes)
         self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel,
                                   capture_models=self.support.capture_models)
@@ -90,15 +102,8 @@ class RolloutEngine:
                 finally:
                     self.pool.release()
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        # per-prompt history across calls (lengths, completions), this engine's only; `history.clear()` forgets it
-        self.history = PromptHistory(self.config.history)
         # one length predictor per engine: it keeps learning from every call's finished samples
         self.predictor = build_predictor(self.config.scheduling, self.history)
-        self.speculator = None
-        if self.config.speculative.method is not None:
-            from .spec_decode import Speculator
-
-            self.speculator = Speculator(self.config, self.device, history=self.history)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
@@ -138,6 +143,10 @@ class RolloutEngine:
         not yet allocated (a held copy is no longer in the free memory the budget is read from)."""
         return self.graph_reserve + (self.weight_copy.pending_bytes if self.weight_copy is not None else 0)
 
+    def _draft_model(self) -> torch.nn.Module | None:
+        """The draft model, held with the model for each call (`model_guard`): another engine's call on it waits."""
+        return self.speculator.draft_model if self.speculator is not None else None
+
     def _lookahead_cap(self) -> int:
         return self.speculator.max_tokens if self.speculator is not None else 0
 
@@ -174,14 +183,15 @@ class RolloutEngine:
         rollout): each finished sample's completion is cached too, so a next turn that continues it prefills only
         its new tokens. The caller ends such a run with `release_pool()`. The cache is dropped whenever the model's
         weights change between calls."""
-        sampling = sampling or SamplingParams()
+        sampling = SamplingParams.of(sampling)
         self._check_autocast()
         self.pool.reserve_bytes = self._reserve_bytes()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
         max_new = self._check_inputs(prompt_ids, num_generations, sampling)
-        with model_guard(self.model), torch.inference_mode(), eval_mode(self.model):
+        processors = self._processors(sampling, prompt_ids, max_new)
+        with model_guard(self.model, also=self._draft_model()), torch.inference_mode(), eval_mode(self.model):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
-                                  on_decode_step, keep_pool)
+                                  on_decode_step, keep_pool, processors)
 
     def release_pool(self) -> None:
         """End of a run of `keep_pool=True` calls: release the pool (and its cached prefixes) as `kv_cache_release`
@@ -210,6 +220,7 @@ class RolloutEngine:
         on_sample_finished: FinishCallback | None,
         on_decode_step: StepTimer | None = None,
         keep_pool: bool = False,
+        processors: GenerationProcessors | None = None,
     ) -> RolloutResult:
         """The body of `generate` on validated inputs, with the model in eval mode, in inference mode (no autograd
         bookkeeping: several percent of a host-bound step)."""
@@ -227,18 +238,19 @@ class RolloutEngine:
                     cache.fingerprint = fingerprint
             self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self._lookahead_cap())))
             with self.weight_copy.active() if self.weight_copy is not None else nullcontext():
-                return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep)
+                return self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep,
+                                      processors)
         finally:
             if not keep:
                 self.pool.release()
                 self._release_weight_copy()
 
     def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step,
-                  keep: bool) -> RolloutResult:
+                  keep: bool, processors: GenerationProcessors | None = None) -> RolloutResult:
         call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, self.pool.copy_slots,
                                  cache_completions=keep)
         stats = call.stats
-        executor = self._executor(call, sampling, groups, max_new)
+        executor = self._executor(call, sampling, groups, max_new, processors)
         finished = None
         if on_sample_finished is not None:
             def finished(seq: Sequence) -> None:
@@ -270,8 +282,23 @@ class RolloutEngine:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _executor(self, call: RolloutCall, sampling: SamplingParams, groups: list[Group], max_new: int):
-        processors = GenerationProcessors(self.model, sampling, self.device) if sampling.generation_kwargs else None
+    def _processors(self, sampling: SamplingParams, prompt_ids: list[list[int]],
+                    max_new: int) -> GenerationProcessors | None:
+        """`generate`'s logits processors of `sampling.generation_kwargs` (None without any), built for every
+        prompt length of the call before it starts: their ids checked against the vocabulary and their own argument
+        checks run now, not at the step that first uses them (`generation_checks.py`)."""
+        if not sampling.generation_kwargs:
+            return None
+        check_generation_ids(sampling.generation_kwargs, self.vocab_size)
+        processors = GenerationProcessors(self.model, sampling, self.device, max_new)
+        for n in sorted({len(p) for p in prompt_ids}):
+            processors.for_prompt(n)
+        return processors
+
+    def _executor(self, call: RolloutCall, sampling: SamplingParams, groups: list[Group], max_new: int,
+                  processors: GenerationProcessors | None = None):
+        if processors is None and sampling.generation_kwargs:
+            processors = GenerationProcessors(self.model, sampling, self.device, max_new)
         sampler = Sampler(sampling, processors)
         prefix = PrefixCapture(call.hidden_predictor) if call.hidden_predictor is not None else None
         decoder = None  # extra processors run eagerly, row by row: the static step runs the built-in ones only

@@ -77,12 +77,15 @@ class KVCachePool:
     backed part of each tensor is one stretch from its start, which grows in place (`_grow` copies nothing)."""
 
     def __init__(self, layout, config: EngineConfig, dtype: torch.dtype, device: torch.device, reserve_bytes: int = 0,
-                 allocate: bool = True, stable: bool = False):
+                 allocate: bool = True, stable: bool = False, companion_block_bytes: int = 0):
         """`reserve_bytes`: taken out of a `kv_cache_fraction` budget first (the captured decode step's memory).
+        `companion_block_bytes`: bytes another pool holds per block of this one (a draft model's pool, which
+        mirrors this pool's blocks): a byte budget (`kv_cache_gb`, `kv_cache_fraction`) pays for both.
         `allocate=False`: no tensors until `open` sizes the pool for a call (the engine's way). `stable`: fixed
         addresses (see the class docstring; falls back to per-call allocation, with a warning, where the device
         cannot reserve addresses)."""
         self.reserve_bytes = reserve_bytes
+        self.companion_block_bytes = companion_block_bytes
         self.stable = stable
         self._range: ReservedRange | None = None  # the reserved addresses (stable pools, from the first allocation)
         self._views: list[torch.Tensor] = []  # K tensors then V tensors over the whole reserved range
@@ -204,7 +207,7 @@ class KVCachePool:
         kv = self.config.kv_cache
         if self.device.type == "cuda" and kv.tokens is None and kv.gb is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            return max(1, int(total * kv.fraction // self.block_bytes) - 1)
+            return max(1, int(total * kv.fraction // self.budget_block_bytes) - 1)
         return self.budget_blocks()
 
     def _allocate(self, usable_blocks: int) -> None:
@@ -236,24 +239,31 @@ class KVCachePool:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return self.block_size * self.layout.elements_per_token() * elem
 
+    @property
+    def budget_block_bytes(self) -> int:
+        """Bytes a byte budget pays per block: this pool's and its companion's (a draft model's pool)."""
+        return self.block_bytes + self.companion_block_bytes
+
     def _num_blocks(self, config: EngineConfig) -> int:
         kv = config.kv_cache
         if kv.tokens is not None:
             n, field = kv.tokens // self.block_size, kv.flag("tokens")
         elif kv.gb is not None:
-            n, field = int((kv.gb * GB - self._rounding_bytes()) // self.block_bytes), kv.flag("gb")
+            n, field = int((kv.gb * GB - self._rounding_bytes()) // self.budget_block_bytes), kv.flag("gb")
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             n = int(((free + cached + self.allocated_bytes) * kv.fraction - self.reserve_bytes
-                     - self._rounding_bytes()) // self.block_bytes)
+                     - self._rounding_bytes()) // self.budget_block_bytes)
             field = kv.flag("fraction")
         else:
             n, field = kv.cpu_tokens // self.block_size, kv.flag("cpu_tokens")
         if n < 2:
+            draft = (f", {self.companion_block_bytes} of them the draft model's pool (`speculative_draft_model`)"
+                     if self.companion_block_bytes else "")
             raise ValueError(
-                f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, {self.block_bytes} "
-                "bytes each; one is the null block of padded decode rows); raise it."
+                f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, "
+                f"{self.budget_block_bytes} bytes each{draft}; one is the null block of padded decode rows); raise it."
             )
         return n
 

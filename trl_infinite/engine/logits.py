@@ -141,8 +141,11 @@ class GenerationProcessors:
     `active` is False when the list holds only the common processors (the `Sampler`'s fast path then runs instead).
     """
 
-    def __init__(self, model: torch.nn.Module, params, device: torch.device):
+    def __init__(self, model: torch.nn.Module, params, device: torch.device, max_new: int | None = None):
+        """`max_new`: the call's completion limit (`params.max_new_tokens`, resolved from the model's
+        `max_position_embeddings` where that is None), which `forced_eos_token_id` and the length processors use."""
         self.model, self.params, self.device = model, params, device
+        self.max_new = params.max_new_tokens if max_new is None else max_new
         self.config = generation_config_of(params)
         self._by_prompt_len: dict[int, LogitsProcessorList] = {}
         probe = self.for_prompt(1)
@@ -156,7 +159,7 @@ class GenerationProcessors:
         procs = self._by_prompt_len.get(prompt_len)
         if procs is None:
             config = copy.deepcopy(self.config)
-            max_new = self.params.max_new_tokens
+            max_new = self.max_new
             if max_new is not None:
                 config.max_length = prompt_len + max_new
             if config.min_new_tokens is not None:  # as `generate`'s `_prepare_generated_length`

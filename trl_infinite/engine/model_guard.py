@@ -4,7 +4,8 @@ While it runs, the engine switches the model's attention implementation to the p
 eval mode; both are restored on exit (also on error or `KeyboardInterrupt`), each by the context manager that set
 it. Two threads doing that on one model at once would each save the other's temporary state and "restore" it, and
 would share the KV pool, the decode rows and the scheduler's tables. `model_guard(model)` serialises every engine
-call on a model (all engines built on it): a second thread waits until the first call returns. A call made from
+call on a model (all engines built on it, and those using it as their draft model): a second thread waits until
+the first call returns. A call made from
 inside a running call on the same thread (e.g. from an `on_sample_finished` callback) is refused with a
 `RuntimeError`: waiting would deadlock, and running it would corrupt the running call.
 """
@@ -37,8 +38,22 @@ def _lock_of(model: torch.nn.Module) -> _ModelLock:
 
 
 @contextmanager
-def model_guard(model: torch.nn.Module, what: str = "RolloutEngine.generate") -> Iterator[None]:
-    """Hold the model for one engine call (see the module docstring)."""
+def model_guard(model: torch.nn.Module, what: str = "RolloutEngine.generate",
+                also: torch.nn.Module | None = None) -> Iterator[None]:
+    """Hold the model for one engine call (see the module docstring); `also`: a second model held with it (the
+    draft model, whose attention the call switches too), both taken in one global order (no deadlock between two
+    engines whose target and draft are swapped)."""
+    if also is None or also is model:
+        with _guard(model, what):
+            yield
+        return
+    first, second = sorted((model, also), key=id)
+    with _guard(first, what), _guard(second, what):
+        yield
+
+
+@contextmanager
+def _guard(model: torch.nn.Module, what: str) -> Iterator[None]:
     state = _lock_of(model)
     if state.owner == threading.get_ident():
         raise RuntimeError(f"{what} was called while another rollout engine call on the same model is running on this "

@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .inputs import eos_list
-from .validate import integer, number, positive
+from .validate import boolean, integer, number, positive
 
 
 @dataclass
@@ -23,7 +23,9 @@ class SamplingParams:
     `generation_kwargs` takes any other `GenerationConfig` key (`no_repeat_ngram_size`, `bad_words_ids`,
     `suppress_tokens`, `min_new_tokens`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`, `top_h`, ...), applied through
     the logits processors `generate` builds (see `engine/logits.py`); keys that need another decoding algorithm
-    (`num_beams > 1`, assisted decoding, ...) raise `ValueError`.
+    (`num_beams > 1`, assisted decoding, ...) raise `ValueError`. Every field's type is checked (here and again when
+    `generate` starts); the token ids in `generation_kwargs` are checked against the model's vocabulary, and their
+    processors built, when `generate` starts, before any forward (`generation_checks.py`).
     """
 
     max_new_tokens: int | None = 256
@@ -49,6 +51,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"`min_p` must be in [0, 1], got {self.min_p!r}.")
         positive("repetition_penalty", self.repetition_penalty)
+        boolean("do_sample", self.do_sample)  # a string such as "false" is truthy: refused, not read as True
         self.eos_token_ids = eos_list(self.eos_token_ids)
         if not self.eos_token_ids and self.max_new_tokens is None:
             raise ValueError("`eos_token_ids` is empty and `max_new_tokens` is None: generation would never stop. "
@@ -60,6 +63,7 @@ class SamplingParams:
         self._check_generation_kwargs()
 
     def _check_generation_kwargs(self) -> None:
+        from .generation_checks import check_generation_values
         from .logits import (
             COMMON_KEYS,
             RESERVED_KEYS,
@@ -82,12 +86,26 @@ class SamplingParams:
         if bad:
             raise ValueError(f"`generation_kwargs` keys {bad} need a decoding algorithm other than sampling or greedy "
                              "search (or change what `generate` returns); the rollout engine cannot run them.")
+        check_generation_values(self.generation_kwargs, self.eos_token_ids)
         ignored = ignored_generation_keys(self.generation_kwargs)
         if ignored:
             warnings.warn(f"`generation_kwargs` keys {ignored} configure `generate`'s own KV cache, compilation or "
                           "returned extras; the rollout engine has its own (its paged KV pool, `EngineConfig.compile`) "
                           "and ignores them. The sampled tokens are the same as `generate`'s.", UserWarning,
                           stacklevel=4)
+
+    @classmethod
+    def of(cls, sampling) -> SamplingParams:
+        """`generate`'s `sampling` argument: a `SamplingParams` (None: the defaults). Anything else (a dict, a
+        `GenerationConfig`, ...) is refused, as vLLM's `generate` refuses it: build `SamplingParams(**mapping)`.
+        Its fields are checked again (one may have been set after construction)."""
+        if sampling is None:
+            return cls()
+        if not isinstance(sampling, cls):
+            hint = " (build `SamplingParams(**sampling)` from it)" if isinstance(sampling, dict) else ""
+            raise ValueError(f"`sampling` must be a `SamplingParams` or None, got {type(sampling).__name__}{hint}.")
+        sampling.__post_init__()  # fields set after construction are checked too
+        return sampling
 
     @property
     def greedy(self) -> bool:

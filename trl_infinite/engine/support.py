@@ -15,6 +15,14 @@
 3. exactness (`exactness.py`): a prompt prefilled into a small pool and three tokens decoded one at a time through
    the selected attention backend give the logits of the model's own forward.
 
+Before the probe, a rotary embedding whose rotation of a position depends on the forward's other positions is
+refused (`rope_length.py`: dynamic NTK, `longrope`). For a model that computes in a 16-bit dtype (bf16 / fp16
+weights, or autocast), the structural decision is made in float32 first: checks 2 and 3 on the float32 model of
+`replica.float32_reference` (its own weights with autocast off, a float32 copy, or a replica from its config) at the
+float32 tolerance; then check 3 on the run itself against the bound derived from its own rounding noise
+(`exactness.rounding_bound`). So a model is served or refused alike in every dtype. A model whose own forward fails
+in the run's dtype is refused saying so.
+
 Any failure raises `ValueError` naming the model type, the unsupported feature and what to use instead. Only then,
 and only where it would serve a layer (CPU, torch backend, float32 pool, head dims of its vector width), the C++
 decode kernel is built (`attention/cpu_decode.py`, half a minute once per machine) and the exactness check is run
@@ -24,6 +32,7 @@ already passed).
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import re
@@ -33,14 +42,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from .attention import LayerSpec, allowed, cpu_decode
-from .autocast import describe
+from .autocast import autocast_dtype, describe
 from .eval_mode import eval_mode
-from .exactness import exactness_problem
+from .exactness import DECODE_TOKENS, exactness_problem
 from .inputs import model_vocab_size
 from .kv_pool import KVLayout
 from .model_runner import decode_kernel_serves
 from .output_capture import capturing_models
 from .probe import AttentionCall, ProbeRecord, probe_tokens, record_attention_calls
+from .replica import Float32ReferenceError, float32_reference
+from .rope_length import length_dependent_rope
 
 logger = logging.getLogger(__name__)
 
@@ -111,21 +122,80 @@ def text_config(model: torch.nn.Module):
 
 def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_decode_kernel: bool = False
                   ) -> ModelSupport:
-    """Run the three checks of the module docstring under the caller's autocast state; return what they found or
-    raise `ValueError`. `cpu_decode_kernel`: use the C++ decode kernel where it serves, built only after the checks
+    """Run the checks of the module docstring under the caller's autocast state; return what they found or raise
+    `ValueError`. `cpu_decode_kernel`: use the C++ decode kernel where it serves, built only after the checks
     passed and checked exact itself (`ModelSupport.decode_kernel`)."""
     with eval_mode(model):
         check_structure(model)
+        rope = length_dependent_rope(model, text_config(model))
+        if rope is not None:
+            raise refusal(model, rope)
         param = next(model.parameters())
         ids = probe_tokens(model_vocab_size(model), probe_length(model), param.device)
-        support = verdict(model, record_attention_calls(model, ids))
-        problem = exactness_problem(model, support, attention_backend, ids)
+        support = _verdict_or_own_failure(model, ids)
+        noise = None
+        if support.compute_dtype not in (torch.float32, torch.float64):
+            noise = _float32_decision(model, attention_backend, ids, forces_autocast=support.autocast is not None
+                                      and autocast_dtype(param.device.type) is None)
+        problem = exactness_problem(model, support, attention_backend, ids, float32_noise=noise)
         if problem is not None:
             raise refusal(model, problem)
         if cpu_decode_kernel and decode_kernel_serves(param.device, attention_backend, support.layers, support.kv,
                                                       support.kv_dtype):
             support = replace(support, decode_kernel=_kernel_checked(model, support, attention_backend, ids))
     return support
+
+
+def _verdict_or_own_failure(model: torch.nn.Module, ids: torch.Tensor) -> ModelSupport:
+    """`verdict` of the routing probe; where the probe forward failed and the model's own forward fails the same
+    way in this setting (a model that cannot run under this autocast / dtype at all), the refusal says so."""
+    record = record_attention_calls(model, ids)
+    if record.error is not None:
+        try:
+            model(input_ids=ids, use_cache=False)
+        except Exception as exc:  # noqa: BLE001
+            state = describe(autocast_dtype(ids.device.type))
+            weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+            raise refusal(model, f"its own forward fails {state} with {weights} weights "
+                          f"({type(exc).__name__}: {str(exc)[:200]}), so there is nothing to reproduce") from exc
+    return verdict(model, record)
+
+
+def _float32_decision(model: torch.nn.Module, attention_backend: str, ids: torch.Tensor, forces_autocast: bool
+                      ) -> float:
+    """The structural decision for a model that runs in a 16-bit dtype, made in float32 (`replica.py`): the routing
+    and exactness checks, without autocast, on the float32 model `float32_reference` gives, at the float32
+    tolerance. Raises the refusal naming what failed and what it was checked on. Returns the 16-bit noise for the
+    run's bound (`exactness.rounding_bound`): the relative distance of the model's forward in the run's setting from
+    the float32 one (on a replica: the replica's, in the run's dtype and autocast state)."""
+    try:
+        ref, how = float32_reference(model, forces_autocast)
+    except Float32ReferenceError as err:
+        raise refusal(model, f"its structure cannot be checked in float32 ({err}); run it with float32 weights "
+                      "(under autocast if wanted: those are checked directly)") from err
+    device = next(ref.parameters()).device
+    backend = attention_backend if ref is model else "torch"
+    with torch.autocast(device.type, enabled=False), eval_mode(ref), torch.no_grad():
+        try:
+            if ref is not model:
+                check_structure(ref)
+            ref_ids = probe_tokens(model_vocab_size(ref), probe_length(ref), device)
+            support = verdict(ref, record_attention_calls(ref, ref_ids))
+            if support.autocast is not None and ref is model:  # its forward turns autocast on by itself
+                return _float32_decision(model, attention_backend, ids, forces_autocast=True)
+            problem = exactness_problem(ref, support, backend, ref_ids)
+        except UnsupportedModelError as err:
+            raise refusal(model, f"{err.feature} (checked in float32 on {how})") from err
+        if problem is not None:
+            raise refusal(model, f"in float32 (checked on {how}): {problem}")
+        rows = DECODE_TOKENS + 1
+        exact = ref(input_ids=ref_ids, use_cache=False).logits[0, -rows:].float()
+    same_weights = not how.startswith("a float32 replica")
+    run = model if same_weights else copy.deepcopy(ref).to(next(model.parameters()).dtype)
+    run_ids = ids if same_weights else ref_ids
+    with torch.no_grad(), eval_mode(run):
+        got = run(input_ids=run_ids, use_cache=False).logits[0, -rows:].float().to(exact.device)
+    return ((got - exact).abs().max() / exact.abs().max().clamp_min(1e-6)).item()
 
 
 def _kernel_checked(model, support: ModelSupport, attention_backend: str, ids: torch.Tensor) -> bool:

@@ -185,7 +185,10 @@ Checked once per engine, on the model in eval mode:
 1. **Structure.** Every entry of the config's `layer_types` is `full_attention`, `sliding_attention` or
    `chunked_attention` (or a stateless `mlp` / `moe` layer), and no module is a recurrent, convolutional or
    linear-attention mixer (Mamba, RWKV, gated delta-net, short convolutions, ...): their state between forwards is
-   not a KV cache, so hybrids and SSMs are refused.
+   not a KV cache, so hybrids and SSMs are refused. A rotary embedding whose rotation of a position depends on the
+   other positions of the forward is refused too (`dynamic` NTK scaling and Phi-3's `longrope`: transformers
+   recomputes their frequencies from each forward's longest sequence), found by calling each rotary module with and
+   without a far position (`engine/rope_length.py`); `linear`, `yarn` and `llama3` scaling are served.
 2. **Routing probe.** One short forward with a recording attention function: every attention module must route
    through `transformers.AttentionInterface`, once per forward (DiffLlama's two calls per layer are refused), with a
    unique `layer_idx` and the engine's `paged_ctx` kwarg reaching it (StableLM and Nemotron drop the kwargs; BLOOM,
@@ -195,9 +198,16 @@ Checked once per engine, on the model in eval mode:
    must be the causal / sliding-window / chunked pattern the engine reproduces. The key / value shapes seen give the
    pool's per-layer widths (MQA, GQA, MLA's 192-wide keys and 128-wide values).
 3. **Exactness.** A prompt prefilled into a small pool and three tokens decoded one at a time through the selected
-   attention backend must give the logits of the model's own forward (relative error below 1e-3 in float32, 1e-1 in
-   16-bit formats). Models that number positions differently from the `position_ids` the engine passes (BART-style
-   decoders, RoBERTa's padding offset) fail here, with that reason.
+   attention backend must give the logits of the model's own forward (relative error below 1e-3 in float32).
+   Models that number positions differently from the `position_ids` the engine passes (BART-style decoders,
+   RoBERTa's padding offset) fail here, with that reason.
+4. **In every dtype the same decision.** Whether a model is served is decided in float32 whatever the run's dtype:
+   a model with bf16 / fp16 weights or under autocast (TRL's default `bf16=True`) is first put through the routing
+   and exactness checks in float32 (its own float32 weights with autocast off, a float32 copy, or a float32 replica
+   built from its config: `engine/replica.py`); then the run itself is checked against a bound derived from the
+   model's own 16-bit rounding noise (4 x, within 2 to 12 units of the dtype's precision: `engine/exactness.py`).
+   `benchmarks/support_table.py` lists the decision per model type in float32, bf16 weights, bf16 autocast and on
+   the replica (`benchmarks/RESULTS.md`, "Support contract in float32 and bf16").
 
 ## Attention features implemented
 

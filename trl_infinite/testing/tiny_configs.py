@@ -13,7 +13,10 @@ import inspect
 
 import torch
 
-VOCAB = 96
+from ..engine.replica import REPLICA_VOCAB
+from ..engine.replica import shrink_config as _shrink
+
+VOCAB = REPLICA_VOCAB
 # size fields by name, passed when the config class accepts them
 SIZES: dict[str, object] = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -142,52 +145,13 @@ def count_params(model_cls, config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# Generic shrinking of size fields `SIZES` does not name (a model type new in a transformers release): by the field's
-# name, in order, the first rule that matches sets an upper bound on an integer field.
-_SHRINK_RULES: tuple[tuple[tuple[str, ...], int], ...] = (
-    (("token_id", "position", "extent", "floor", "seed"), 0),  # ids and positions: left alone
-    (("rank",), 16),
-    (("vocab",), VOCAB),
-    (("experts_per_tok", "topk", "top_k"), 2),
-    (("key_value_heads", "kv_heads"), 2),
-    (("heads",), 4),
-    (("experts",), 4),
-    (("layers",), 2),
-    (("window",), 6),
-    (("head_dim", "head_size"), 8),
-    (("hidden_size", "embed_dim", "d_model", "n_embd"), 32),
-    (("intermediate", "ffn", "inner", "channels", "_dim", "_size"), 64),
-)
-
-
-def _shrink_value(name: str, value):
-    if not isinstance(value, int) or isinstance(value, bool):
-        return value
-    for keys, bound in _SHRINK_RULES:
-        if any(k in name for k in keys):
-            return value if bound == 0 else min(value, bound)
-    return value
-
-
-def _shrink_dict(d: dict) -> dict:
-    out = {}
-    for name, value in d.items():
-        if isinstance(value, dict):
-            out[name] = _shrink_dict(value)
-        else:
-            out[name] = _shrink_value(name, value)
-    return out
-
-
 def shrink_config(config):
     """`config` with every integer size field whose name says it is a vocabulary, head count, layer count, expert
-    count, window or width capped at the tiny sizes (`_SHRINK_RULES`), sub-configs included, rebuilt through the
-    config class so that its `__post_init__` derives the rest. For configs whose own fields `SIZES` does not name
-    (e.g. Inkling2's `swa_num_attention_heads` and `unpadded_vocab_size`)."""
-    data = config.to_dict()
-    for key in ("transformers_version", "architectures", "_name_or_path"):
-        data.pop(key, None)
-    return type(config).from_dict(_shrink_dict(data))
+    count, window or width capped at the tiny sizes (`engine.replica.SHRINK_RULES`, shared with the support
+    contract's float32 replica), sub-configs included, rebuilt through the config class so that its
+    `__post_init__` derives the rest. For configs whose own fields `SIZES` does not name (e.g. Inkling2's
+    `swa_num_attention_heads` and `unpadded_vocab_size`)."""
+    return _shrink(config)
 
 
 def build_tiny_model(model_type: str, seed: int = 0, max_params: int = 6_000_000, size: dict | None = None,

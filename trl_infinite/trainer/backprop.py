@@ -1,14 +1,19 @@
-"""Micro batches for the backward pass: rows that share work together, each padded to its own longest.
+"""Micro batches for the backward pass: rows that share work together, each padded to its own longest completion.
 
 TRL pads the whole generation batch to its longest completion and splits it at random, so every micro batch costs as
 much as the longest sample. Here the rows are ordered, split into the same number of equal-size micro batches, and
-each micro batch is trimmed to its own longest prompt (left padding) and completion (right padding):
+each micro batch is trimmed to its own longest completion (right padding). The prompt columns stay the generation
+batch's: a model numbers its tokens by column, so that keeps TRL's positions (`positions.py`); a RoPE whose
+frequencies depend on the longest position (`dynamic`, `longrope`) keeps every column (`trim=False`).
 - with the shared-prefix forward (`shared_prefix.py`), group by group (groups in random order), so a micro batch
   holds whole groups and encodes each prompt once; padding does not matter there (the rows are packed);
 - otherwise by completion length, so a micro batch pads little.
 For every loss whose normaliser does not depend on the split (`grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`,
-`vespo`) the accumulated gradient is unchanged. `bnpo` averages tokens per micro batch, so it keeps TRL's random
-split (only the padding is trimmed, which does not change it).
+`vespo`) the accumulated gradient is unchanged. `bnpo` averages tokens per micro batch, and the entropy bonus,
+`top_entropy_quantile < 1` and the MoE auxiliary loss depend on which rows share a micro batch: with those
+(`trl_split=True`) the split is TRL's own (`shuffle_sequence_dict` then `split_tensor_dict`: one `torch.randperm`
+of the rows from the global generator, consecutive equal slices), so the micro batches hold TRL's rows; only the
+padding is trimmed, which does not change them.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 SPLIT_INVARIANT_LOSSES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
-# [B, C] tensors aligned with the completion (right padded) and [B, P] ones aligned with the prompt (left padded)
+# [B, C] tensors aligned with the completion (right padded)
 _COMPLETION_KEYS = (
     "completion_ids",
     "completion_mask",
@@ -26,7 +31,6 @@ _COMPLETION_KEYS = (
     "sampling_per_token_logps",
     "tool_mask",
 )
-_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 _FULL_KEYS = ("token_type_ids", "mm_token_type_ids")  # [B, P + C]
 
 
@@ -77,22 +81,18 @@ def _round_up(n: int, multiple: int | None, limit: int) -> int:
 
 
 def trim_padding(batch: dict, multiple: int | None = None) -> dict:
-    """Drops padding columns no row of this micro batch uses: leading prompt columns, trailing completion ones
-    (keeping widths multiples of `multiple`, TRL's `pad_to_multiple_of`, when set)."""
-    prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_mask"]
-    P, C = prompt_mask.size(1), completion_mask.size(1)
-    used_p = prompt_mask.any(dim=0).nonzero()
-    first = P - _round_up(P - (int(used_p[0]) if used_p.numel() else P), multiple, P)
+    """Drops the trailing completion columns no row of this micro batch uses (keeping the width a multiple of
+    `multiple`, TRL's `pad_to_multiple_of`, when set). The prompt columns stay: they number the tokens."""
+    P, completion_mask = batch["prompt_mask"].size(1), batch["completion_mask"]
+    C = completion_mask.size(1)
     used_c = completion_mask.any(dim=0).nonzero()
     keep = _round_up(int(used_c[-1]) + 1 if used_c.numel() else 1, multiple, C)
     # TRL's metrics take a [B, 1] completion tensor for `importance_sampling_level="sequence"` values (one per row):
     # never trim to one column a batch that TRL runs wider
     keep = max(keep, min(2, C))
-    if first == 0 and keep == C:
+    if keep == C:
         return batch
     out = dict(batch)
-    for key in _PROMPT_KEYS:
-        out[key] = batch[key][:, first:]
     for key in _COMPLETION_KEYS:
         v = batch.get(key)
         if isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == C:
@@ -103,21 +103,22 @@ def trim_padding(batch: dict, multiple: int | None = None) -> dict:
     for key in _FULL_KEYS:
         v = batch.get(key)
         if isinstance(v, torch.Tensor) and v.ndim == 2 and v.size(1) == P + C:
-            out[key] = v[:, first : P + keep]
+            out[key] = v[:, : P + keep]
     return out
 
 
 def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: int | None = None,
-                       by_group: bool = False) -> list[dict]:
-    """The generation batch as `num_chunks` micro batches of equal row count, each padded to its own longest.
+                       by_group: bool = False, trl_split: bool = False, trim: bool = True) -> list[dict]:
+    """The generation batch as `num_chunks` micro batches of equal row count, each padded to its own longest
+    completion (`trim=False`: every column kept).
 
     Split-invariant losses get micro batches of whole groups (`by_group`, for the shared-prefix forward) or of
     similar lengths, in random order (so, with several optimizer steps per generation, no step sees only short or
-    only long completions); `bnpo` and unknown losses keep TRL's random split.
+    only long completions); `bnpo`, unknown losses and split-dependent loss terms (`trl_split`) get TRL's split.
     """
-    sort = loss_type in SPLIT_INVARIANT_LOSSES
+    sort = loss_type in SPLIT_INVARIANT_LOSSES and not trl_split
     order = group_order(batch) if sort and by_group else length_order(batch, sort)
     chunks = split_rows(permute_rows(batch, order), num_chunks)
     if sort:
         chunks = [chunks[i] for i in torch.randperm(num_chunks).tolist()]
-    return [trim_padding(c, multiple) for c in chunks]
+    return [trim_padding(c, multiple) if trim else c for c in chunks]

@@ -1,7 +1,7 @@
 """Reward functions as TRL's `_calculate_rewards` sees them: the values streamed during the rollout, when there are.
 
-`InfiniteGRPOTrainer` wraps each reward *function* (reward models stay TRL's: they run once, batched, after the
-rollout) in a `CachedRewardFunc`. TRL's own `_calculate_rewards` calls it on the whole batch as usual; when every row
+`InfiniteGRPOTrainer` wraps each reward *function* (reward models, and functions with the attribute
+`reward_chunks = "batch"`, stay TRL's: they run once, on the whole batch, after the rollout) in a `CachedRewardFunc`. TRL's own `_calculate_rewards` calls it on the whole batch as usual; when every row
 was already scored on exactly these completion ids, it returns those values and replays their `log_extra` columns
 in row order; otherwise (no stream: tool calls, `rollout_func`, TRL's generation path, a direct call) it calls the
 function itself. TRL keeps everything else: the None -> NaN rule, the length check, the all-None warning (its text,
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from trl.trainer.utils import is_async_callable
 
-from .streaming import StreamSlot
+from .streaming import REWARD_CHUNKS, StreamSlot
 
 
 class CachedRewardFunc:
@@ -54,13 +54,24 @@ class AsyncCachedRewardFunc(CachedRewardFunc):
         return values if values is not None else await self.func(*args, **kwargs)
 
 
+def wants_whole_batch(func) -> bool:
+    """A reward function's own `reward_chunks` attribute: "batch" (called by TRL on the whole batch after the
+    rollout, never streamed) or "groups" / absent (streamed in chunks of whole groups); ValueError otherwise."""
+    value = getattr(func, "reward_chunks", None)
+    if value is not None and value not in REWARD_CHUNKS:
+        raise ValueError(f"The reward function {getattr(func, '__name__', func)!r} has `reward_chunks={value!r}`; it "
+                         f"must be one of {list(REWARD_CHUNKS)}.")
+    return value == "batch"
+
+
 def wrap_reward_funcs(reward_funcs: list, slot: StreamSlot) -> list:
-    """Every reward function wrapped (modules, i.e. reward models, left as they are)."""
+    """Every reward function wrapped (modules, i.e. reward models, and functions that want the whole batch left as
+    they are)."""
     from torch import nn
 
     out = []
     for i, func in enumerate(reward_funcs):
-        if isinstance(func, nn.Module) or isinstance(func, CachedRewardFunc):
+        if isinstance(func, nn.Module) or isinstance(func, CachedRewardFunc) or wants_whole_batch(func):
             out.append(func)
         else:
             out.append((AsyncCachedRewardFunc if is_async_callable(func) else CachedRewardFunc)(func, i, slot))

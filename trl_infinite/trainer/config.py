@@ -17,14 +17,15 @@ from trl import GRPOConfig
 
 from ..engine.config import EngineConfig
 from ..engine.sections import flags
-from .streaming import REWARD_EXECUTORS
+from .streaming import REWARD_CHUNKS, REWARD_EXECUTORS
 
 PREFIX = "rollout_"
-TRAINER_ONLY = ("rollout_reward_executor",)  # `rollout_*` fields of the trainer itself, not of `EngineConfig`
+TRAINER_ONLY = ("rollout_reward_executor", "rollout_reward_chunks")  # `rollout_*` fields of the trainer itself, not of `EngineConfig`
 # engine settings typed `object` (a registry name, or in Python a callable / model): the CLI parses their string form
 CLI_TYPES = {"length_predictor": "str", "speculative_draft_model": "str | None"}
 # what the trainer adds to an engine field's help
-TRAINER_NOTES = {"max_active_sequences": "Also the size of the chunks of completions streamed to the reward functions."}
+TRAINER_NOTES = {"max_active_sequences": "Also the least number of completions (whole prompt groups) in one streamed "
+                                         "reward call (`rollout_reward_chunks`)."}
 
 
 def flag_help(flag) -> str:
@@ -63,6 +64,20 @@ class InfiniteGRPOConfig(GRPOConfig):
             "decode steps on the training thread (like `GRPOTrainer`: `signal.alarm` timeouts work). `thread`: on "
             "one background thread, overlapping the decode steps on CPU too; reward functions then must not use "
             "signals (TRL's `accuracy_reward` silently disables its timeout there) and must be thread-safe."
+        },
+    )
+
+    rollout_reward_chunks: str = field(
+        default="groups",
+        metadata={
+            "help": f"What one streamed call of a reward function holds: one of {list(REWARD_CHUNKS)}. `groups`: "
+            "whole prompt groups (all G completions of a prompt, as this process holds them), at least "
+            "`rollout_max_active_sequences` (or G) completions, scored while the rest of the batch decodes, so a "
+            "group-relative reward (e.g. a length penalty over a prompt's samples) gets the value it has on the "
+            "whole batch. `batch`: the whole batch in one call, once every completion finished (what "
+            "`GRPOTrainer` passes: for a function that compares completions across prompts). A single function can "
+            "ask for the whole batch by having the attribute `reward_chunks = \"batch\"` (it is then called by "
+            "TRL after the rollout)."
         },
     )
 
@@ -119,6 +134,10 @@ class InfiniteGRPOConfig(GRPOConfig):
                              f"{self.backward_token_budget!r}.")
         if not isinstance(self.shared_prefix_training, bool):
             raise ValueError(f"`shared_prefix_training` must be True or False, got {self.shared_prefix_training!r}.")
+        if self.rollout_reward_chunks not in REWARD_CHUNKS:
+            raise ValueError(
+                f"`rollout_reward_chunks` must be one of {list(REWARD_CHUNKS)}, got {self.rollout_reward_chunks!r}."
+            )
         if self.rollout_reward_executor not in REWARD_EXECUTORS:
             raise ValueError(
                 f"`rollout_reward_executor` must be one of {list(REWARD_EXECUTORS)}, got {self.rollout_reward_executor!r}."

@@ -11,8 +11,10 @@ sequence of `N` tokens with no padding, group by group:
 where `p_g` is the prompt's length and `c_r` the row's completion length (its `attention_mask` ones). Each row
 segment starts with its own copy of the prompt's last token because the hidden state there predicts the row's first
 completion token: one position per row, so every scored position has exactly one label. Tokens keep the column
-index of TRL's padded batch as their position (what the model's own forward numbers them, `arange(P + C)`), so the
-packed forward computes the same function as TRL's: a row segment attends to its group's shared tokens and causally
+index of TRL's padded batch as their position (what the model's own forward numbers them, `arange(P + C)`), and the
+attention masks number them from their row's first real token, as transformers' masks do (the causal order and a
+sliding window depend only on differences; Llama 4's attention chunks are counted from the first real token,
+`masking_utils.chunked_overlay`), so the packed forward computes the same function as TRL's: a row segment attends to its group's shared tokens and causally
 to itself (`grouped_attention.py`), the shared tokens causally among themselves, and the gradient reaching the
 shared tokens is the sum over the G rows, as in TRL's G copies.
 
@@ -38,6 +40,7 @@ class GroupedLayout:
 
     input_ids: torch.Tensor  # [1, N]
     position_ids: torch.Tensor  # [1, N] column index in TRL's padded batch
+    mask_positions: torch.Tensor  # [N] position from the row's first real token (the masks' numbering)
     shared_index: torch.Tensor  # [num_shared, s_max] packed index of each shared slot
     shared_valid: torch.Tensor  # [num_shared, s_max] bool
     row_index: torch.Tensor  # [num_rows, r_max] packed index of each row slot
@@ -63,9 +66,9 @@ class GroupedLayout:
         key = (sliding_window, chunk_size)
         if key not in self._masks:
             self._masks[key] = (
-                _mask(self.position_ids[0], self.shared_index, self.shared_valid, self.shared_index,
+                _mask(self.mask_positions, self.shared_index, self.shared_valid, self.shared_index,
                       self.shared_valid, sliding_window, chunk_size),
-                _mask(self.position_ids[0], self.row_index, self.row_valid, self.row_keys, self.row_keys_valid,
+                _mask(self.mask_positions, self.row_index, self.row_valid, self.row_keys, self.row_keys_valid,
                       sliding_window, chunk_size),
             )
         return self._masks[key]
@@ -124,7 +127,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     groups = sorted(first_row, key=first_row.get)
     members = {g: [r for r in range(B) if bool(live[r]) and int(group_of[r]) == g] for g in groups}
 
-    # segments in packed order: (source row, first column, length, shared?)
+    # segments in packed order: (source row, first column, length, shared?); the row's padding is P - p
     segments: list[tuple[int, int, int, bool]] = []
     for g in groups:
         rep = first_row[g]
@@ -133,6 +136,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
             segments.append((rep, P - p, p - 1, True))
         for r in members[g]:
             segments.append((r, P - 1, 1 + int(comp_len[r]), False))
+    seg_pad = torch.tensor([P - int(prompt_len[s[0]]) for s in segments])
     seg_row = torch.tensor([s[0] for s in segments])
     seg_col = torch.tensor([s[1] for s in segments])
     seg_len = torch.tensor([s[2] for s in segments])
@@ -142,6 +146,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     tok_seg = torch.repeat_interleave(torch.arange(len(segments)), seg_len)  # [N]
     tok_off = torch.arange(n) - seg_start[tok_seg]  # offset inside the segment
     tok_col = seg_col[tok_seg] + tok_off  # [N] column in TRL's batch = position
+    tok_mask_pos = tok_col - seg_pad[tok_seg]  # [N] position from the row's first real token
     tok_ids = ids_cpu[seg_row[tok_seg], tok_col]
 
     shared_segs = torch.nonzero(seg_shared).flatten()
@@ -186,7 +191,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
         return t.to(device, non_blocking=True)
 
     return GroupedLayout(
-        input_ids=dev(tok_ids[None]), position_ids=dev(tok_col[None]),
+        input_ids=dev(tok_ids[None]), position_ids=dev(tok_col[None]), mask_positions=dev(tok_mask_pos),
         shared_index=dev(shared_index), shared_valid=dev(shared_valid),
         row_index=dev(row_index), row_valid=dev(row_valid),
         row_keys=dev(row_keys), row_keys_valid=dev(row_keys_valid),

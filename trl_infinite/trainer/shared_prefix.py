@@ -15,7 +15,7 @@ The contract, checked once with the model in training mode and under the trainer
 3. determinism: two identical training forwards agree (dropout or router noise would draw one mask for the G rows'
    shared prompt where TRL draws G);
 4. exactness: the packed forward of a probe batch (two groups, left-padded prompts, ragged completions, a prompt
-   longer than the sliding window) gives the log-probs and entropies of the model's own padded forward.
+   longer than the sliding window, padding that is not a multiple of an attention chunk) gives the log-probs and entropies of the model's own padded forward.
 A model that fails is trained with TRL's forward; the trainer's warning names the reason.
 """
 
@@ -37,6 +37,7 @@ from ..engine.support import UnsupportedModelError, check_structure, model_name,
 from .grouped_attention import ORIGINALS, GroupedContext, grouped_name, original_of, packed_forward
 from .logprobs import HeadSpec, selected_logprobs
 from .packing import GroupedLayout, pack_rows
+from .positions import length_dependent_rope
 
 
 class SharedPrefixUnsupported(ValueError):
@@ -57,6 +58,7 @@ class SharedPrefixForward:
         self.head = head
         self.layers = layers
         self._previous = model.forward
+        self.index_limit = index_limit(model)
 
     # ------------------------------------------------------------------ installation
     @classmethod
@@ -68,6 +70,11 @@ class SharedPrefixForward:
         originals = {c._attn_implementation for c in attention_configs(model)}
         if model.config.get_text_config() is not model.config:
             raise SharedPrefixUnsupported("it is not a text-only causal LM")
+        rope = length_dependent_rope(model)
+        if rope is not None:
+            raise SharedPrefixUnsupported(
+                f"its RoPE ({rope!r}) has frequencies that depend on the sequence length (the longest position of "
+                "the forward), which in the packed forward is not the one of TRL's padded batch")
         odd = sorted(str(o) for o in originals if o not in ORIGINALS and original_of(o) is None)
         if odd:
             raise SharedPrefixUnsupported(f"its attention implementation {odd[0]!r} is not one of {list(ORIGINALS)}")
@@ -123,6 +130,13 @@ class SharedPrefixForward:
         return forward
 
     # ------------------------------------------------------------------ the forward
+    def fits(self, layout: GroupedLayout, width: int) -> bool:
+        """Whether the packed forward computes TRL's function for this batch (`width`: TRL's `P + C`): always, but
+        for a model that scales queries by the token's index in the forward (`index_limit`), only while both the
+        packed index and TRL's column stay below the first index that scales (the scale is 1 for both there)."""
+        limit = self.index_limit
+        return limit is None or (layout.num_tokens < limit and width < limit)
+
     def context(self, layout: GroupedLayout, entropy: bool) -> GroupedContext:
         return GroupedContext(layout=layout, layers=self.layers, entropy=entropy)
 
@@ -149,7 +163,7 @@ class SharedPrefixForward:
         was_training = model.training
         model.train()
         try:
-            input_ids, mask, keep = probe_batch(ids[0])
+            input_ids, mask, keep = probe_batch(ids[0], [s.chunk_size for s in self.layers.values()])
             ref = _reference(model, self._previous, input_ids, mask, keep, self.head)
             again = _reference(model, self._previous, input_ids, mask, keep, self.head)
             if not (torch.equal(ref[0], again[0]) and torch.equal(ref[1], again[1])):
@@ -171,6 +185,16 @@ class SharedPrefixForward:
         return None
 
 
+def index_limit(model: torch.nn.Module) -> int | None:
+    """First forward index whose query scale is not 1 in a model that scales queries by the token's index in the
+    forward (Llama 4's attention temperature tuning on its NoPE layers: `log1p(floor((i + 1) / floor_scale))`, from
+    `arange(seq_len)`, not from `position_ids`); None for other models."""
+    limits = [int(m.floor_scale) - 1 for m in model.modules()
+              if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)
+              and isinstance(getattr(m, "floor_scale", None), (int, float))]
+    return min(limits) if limits else None
+
+
 def backbone(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack under the LM head (hidden states out)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -190,11 +214,16 @@ def installed(model: torch.nn.Module) -> SharedPrefixForward | None:
     return _INSTALLED.get(model)
 
 
-def probe_batch(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A TRL-layout batch from probe tokens [L]: two prompts (the whole probe, and its first 5 tokens) left-padded,
-    two rows each with completions of 4/2 and 3/1 tokens right-padded. Returns (input_ids, attention_mask, C)."""
+def probe_batch(tokens: torch.Tensor, chunk_sizes=()) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A TRL-layout batch from probe tokens [L]: two prompts (the whole probe, and its first 5 or so tokens)
+    left-padded, two rows each with completions of 4/2 and 3/1 tokens right-padded. The short prompt's padding is
+    not a multiple of any attention chunk size in `chunk_sizes` (where one fits), so that chunks counted from column
+    0 and from the row's first real token differ. Returns (input_ids, attention_mask, C)."""
     L = tokens.shape[0]
-    prompts = [tokens[: L - 4], tokens[: min(5, L - 4)]]
+    chunks = [c for c in chunk_sizes if c and c > 1]
+    short = next((n for n in (5, 4, 6, 3, 7, 2) if n <= L - 4 and all((L - 4 - n) % c for c in chunks)),
+                 min(5, L - 4))
+    prompts = [tokens[: L - 4], tokens[:short]]
     completions = [[tokens[-4:], tokens[-2:]], [tokens[1:4], tokens[2:3]]]
     P, C = max(len(p) for p in prompts), 4
     rows, masks = [], []

@@ -1,8 +1,12 @@
 """Streamed reward scoring (paper §3.4): completions are scored in chunks while the rest of the batch decodes.
 
-The engine calls `on_sample_finished` from its drive loop, between decode steps, on the calling thread; every
-`chunk_size` finished rows are scored right there (so `signal.alarm` timeouts and TRL's `accuracy_reward` work as
-they do in `GRPOTrainer`), or, with `rollout_reward_executor="thread"`, on one background thread. TRL's own
+The engine calls `on_sample_finished` from its drive loop, between decode steps, on the calling thread. A reward
+function sees whole groups only (a group-relative reward, e.g. Kimi k1.5's length penalty, gets its whole-batch
+value): a row waits until every row of its prompt group has finished, and once at least `chunk_size` rows of
+complete groups wait they are scored right there (so `signal.alarm` timeouts and TRL's `accuracy_reward` work as
+they do in `GRPOTrainer`), or, with `rollout_reward_executor="thread"`, on one background thread. With
+`rollout_reward_chunks="batch"` (`REWARD_CHUNKS`) the chunk is the whole batch: one call, once every row finished.
+Rows of a group that never finished are never scored here (TRL's call then scores the whole batch). TRL's own
 `_calculate_rewards` then runs once on the whole batch and reads these cached values through `CachedRewardFunc`
 (see `cached_rewards.py`): its warnings, its cross-process gather and its group normalisation are unchanged.
 """
@@ -16,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 REWARD_EXECUTORS = ("main_thread", "thread")
+REWARD_CHUNKS = ("groups", "batch")  # what a streamed reward call holds: whole prompt groups, or the whole batch
 
 
 @dataclass
@@ -32,10 +37,20 @@ ScoreFn = Callable[[list[int], list[list[int]]], ChunkScores]
 
 
 class StreamingRewards:
-    """Cached rewards of one batch's rows, scored `chunk_size` rows at a time as they finish."""
+    """Cached rewards of one batch's rows, scored in chunks of whole groups (at least `chunk_size` rows, but the
+    last) as they finish. `group_sizes`: the rows of each prompt group, consecutive, in row order (default: one
+    group per row)."""
 
-    def __init__(self, num_rows: int, score: ScoreFn, chunk_size: int, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, num_rows: int, score: ScoreFn, chunk_size: int, executor: ThreadPoolExecutor | None = None,
+                 group_sizes: list[int] | None = None):
         self.num_rows, self.score, self.chunk_size, self.executor = num_rows, score, max(1, chunk_size), executor
+        sizes = group_sizes if group_sizes is not None else [1] * num_rows
+        if sum(sizes) != num_rows or any(n < 1 for n in sizes):
+            raise ValueError(f"`group_sizes` {sizes} do not partition the {num_rows} rows into groups.")
+        self._group_of = [g for g, n in enumerate(sizes) for _ in range(n)]
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        self._group_rows = [range(a, a + n) for a, n in zip(starts, sizes)]
+        self._missing = list(sizes)  # per group: rows not finished yet
         self.completion_ids: list[list[int] | None] = [None] * num_rows
         self.values: dict[int, dict[int, object]] = defaultdict(dict)  # func index -> row -> value
         self.extra: dict[int, dict[str, dict[int, object]]] = defaultdict(lambda: defaultdict(dict))
@@ -44,15 +59,22 @@ class StreamingRewards:
         self._lock = threading.Lock()
 
     def add(self, row: int, completion_ids: list[int]) -> None:
-        """One finished row (called from the engine's drive loop); scores a chunk once `chunk_size` are waiting."""
+        """One finished row (called from the engine's drive loop); once its group is complete, its rows wait, and a
+        chunk is scored once `chunk_size` rows wait."""
         self._raise_failed()
+        if self.completion_ids[row] is not None:
+            raise RuntimeError(f"row {row} finished twice")
         self.completion_ids[row] = list(completion_ids)
-        self._pending.append(row)
+        g = self._group_of[row]
+        self._missing[g] -= 1
+        if self._missing[g]:
+            return
+        self._pending.extend(self._group_rows[g])
         if len(self._pending) >= self.chunk_size:
             self.flush()
 
     def flush(self) -> None:
-        """Scores the waiting rows (in row order) now, or hands them to the background thread."""
+        """Scores the waiting rows (whole groups, in row order) now, or hands them to the background thread."""
         if not self._pending:
             return
         rows, self._pending = sorted(self._pending), []

@@ -25,6 +25,7 @@ from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
 from .logprobs import HeadSpec
 from .packing import pack_rows
+from .positions import length_dependent_rope
 from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups, turn_metrics
 from .scoring import ChunkScorer
 from .shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
@@ -87,6 +88,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if self.engine_fallback_reasons:
             self._warn_fallback(stacklevel=3)
         self.host_tensor_cache = self._install_host_tensor_cache()
+        self.length_dependent_rope = length_dependent_rope(self.model)  # micro batches keep every column then
         self.shared_prefix: SharedPrefixForward | None = None
         self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
         if getattr(self.args, "shared_prefix_training", False):
@@ -278,7 +280,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
         scorer = ChunkScorer(self, self._batch_inputs, prompts, decode, groups)
         chunk = self.engine_config.scheduling.max_active_sequences or self.num_generations
-        stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor)
+        if getattr(self.args, "rollout_reward_chunks", "groups") == "batch":
+            chunk = len(prompt_ids)
+        stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, self._reward_executor,
+                                  group_sizes=[g.length for g in groups])
         self._stream_slot.open(stream)
         return stream
 
@@ -302,6 +307,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if (forward is not None and not compute_aux_loss and all(v is None for v in multimodal.values())
                 and self._policy_module(model) is forward.model):
             layout = pack_rows(input_ids, attention_mask, logits_to_keep)
+            if not isinstance(layout, str) and not forward.fits(layout, input_ids.shape[1]):
+                layout = None  # (Llama 4's index-scaled queries past `floor_scale`): TRL's forward, exact
         if layout is None or isinstance(layout, str):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
@@ -342,8 +349,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         """The row slices of a training micro batch over `backward_token_budget` tokens (None: one pass)."""
         budget = getattr(self.args, "backward_token_budget", None)
         if (budget is None or not self.model.training or not torch.is_grad_enabled()
-                or self.loss_type not in SPLITTABLE_LOSSES or self._entropy_bonus_enabled
-                or self.top_entropy_quantile < 1.0 or self.aux_loss_enabled
+                or self.loss_type not in SPLITTABLE_LOSSES or self.split_dependent_loss
                 or self.accelerator.distributed_type not in _SUB_BATCH_DISTRIBUTED):
             return None
         if any(isinstance(v, torch.Tensor) and v.ndim >= 1 and k not in ROW_KEYS
@@ -366,16 +372,24 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         return inner.get_base_model() if is_peft_model(inner) else inner
 
     # ------------------------------------------------------------------ micro-batched backprop
+    @property
+    def split_dependent_loss(self) -> bool:
+        """A loss term that depends on which rows share a micro batch is on (the entropy bonus, a top-entropy
+        quantile, the MoE auxiliary loss): the micro batches are then TRL's random split (`backprop.py`)."""
+        return bool(getattr(self, "_entropy_bonus_enabled", False) or self.top_entropy_quantile < 1.0
+                    or self.aux_loss_enabled)
+
     def _prepare_inputs(self, generation_batch):
         """TRL's buffering of one generation batch over `steps_per_generation` steps, but split into micro batches
-        of whole groups (shared-prefix forward) or of similar-length completions, each padded only to its own
-        longest sequence (`backprop.py`)."""
+        of whole groups (shared-prefix forward) or of similar-length completions (TRL's random split where a loss
+        term depends on it), each padded only to its own longest completion (`backprop.py`)."""
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
             chunks = make_micro_batches(batch, self.args.steps_per_generation, self.loss_type, self.pad_to_multiple_of,
-                                        by_group=self.shared_prefix is not None)
+                                        by_group=self.shared_prefix is not None, trl_split=self.split_dependent_loss,
+                                        trim=self.length_dependent_rope is None)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(c) for c in chunks]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]

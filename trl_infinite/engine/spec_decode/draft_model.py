@@ -16,6 +16,7 @@ import torch
 
 from ..attention import Segment
 from ..config import EngineConfig, SpeculativeConfig
+from ..inputs import model_vocab_size
 from ..kv_pool import KVCachePool
 from ..model_runner import ModelRunner, last_rows
 from ..sampler import STREAM_SAMPLE, Sampler, row_keys
@@ -34,10 +35,11 @@ def load_draft_model(spec, device: torch.device) -> torch.nn.Module:
 
 
 class _State:
-    __slots__ = ("ctx", "blocks", "cached", "drafts")
+    __slots__ = ("ctx", "blocks", "cached", "drafts", "blind")
 
-    def __init__(self, ctx: list[int]):
+    def __init__(self, ctx: list[int], blind: bool):
         self.ctx, self.blocks, self.cached, self.drafts = ctx, [], 0, []
+        self.blind = blind  # the context holds an id the draft model cannot read: no drafts
 
 
 @register_drafter("draft_model")
@@ -48,11 +50,18 @@ class DraftModelDrafter(Drafter):
         super().__init__()
         target, draft_model, device = context.engine, context.draft_model, context.device
         decode = target.decode
-        # the draft model runs on a pool too (the target's token budget), on the target's attention path (in the
-        # dtype it computes in)
-        pool_cfg = EngineConfig(kv_cache_tokens=target.kv_cache.tokens or target.kv_cache.cpu_tokens,
-                                block_size=target.block_size, attention_backend=decode.attention_backend)
-        support = check_support(draft_model, decode.attention_backend, decode.cpu_decode_kernel)
+        # the draft model runs on a pool too, on the target's attention path (in the dtype it computes in): as many
+        # blocks as the target's pool of this call, whose budget paid for them (`draft_check.draft_block_bytes`);
+        # built outside an engine, the budget's tokens
+        blocks = context.pool_blocks
+        tokens = (blocks + 1) * target.block_size if blocks is not None else (
+            target.kv_cache.tokens or target.kv_cache.cpu_tokens)
+        pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=target.block_size,
+                                attention_backend=decode.attention_backend, prefix_cache=False)
+        support = context.draft_support
+        if support is None:
+            support = check_support(draft_model, decode.attention_backend, decode.cpu_decode_kernel)
+        self.vocab = model_vocab_size(draft_model)  # ids the draft reads (a target id beyond: no drafts for the row)
         self.pool = KVCachePool(support.kv, pool_cfg, dtype=support.kv_dtype, device=device)
         self.runner = ModelRunner(draft_model, self.pool, decode.attention_backend, support.layers,
                                   cpu_decode_kernel=support.decode_kernel)
@@ -62,7 +71,8 @@ class DraftModelDrafter(Drafter):
         self.states: dict[int, _State] = {}
 
     def _start(self, seq: Sequence) -> None:
-        self.states[seq.seq_id] = _State(seq.group.prompt_ids + seq.output_ids)
+        ctx = seq.group.prompt_ids + seq.output_ids
+        self.states[seq.seq_id] = _State(ctx, max(ctx) >= self.vocab)
 
     def update(self, seq: Sequence, tokens: list[int]) -> None:
         st = self.states[seq.seq_id]
@@ -73,6 +83,8 @@ class DraftModelDrafter(Drafter):
             st.cached = min(st.cached, len(st.ctx)) + match
             st.drafts = []
         st.ctx.extend(tokens)
+        if tokens and max(tokens) >= self.vocab:
+            st.blind = True
 
     supports_ahead = True
 
@@ -84,7 +96,8 @@ class DraftModelDrafter(Drafter):
         catch-up and kept by `update` where the emitted tokens confirm them."""
         out = [EMPTY] * len(seqs)
         todo = [i for i, k in enumerate(ks)
-                if k > 0 and self._reserve(self.states[seqs[i].seq_id], len(assumed[i]) + ks[i])]
+                if k > 0 and not self.states[seqs[i].seq_id].blind and (not assumed[i] or max(assumed[i]) < self.vocab)
+                and self._reserve(self.states[seqs[i].seq_id], len(assumed[i]) + ks[i])]
         if not todo:
             return out
         states = [self.states[seqs[i].seq_id] for i in todo]

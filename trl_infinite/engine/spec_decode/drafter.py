@@ -23,19 +23,25 @@ if TYPE_CHECKING:
 
     from ..config import EngineConfig, SamplingParams, SpeculativeConfig
     from ..history import PromptHistory
+    from ..support import ModelSupport
 
 
 @dataclass(frozen=True)
 class DraftContext:
     """What a drafter may use besides its options. `engine`: the target's config (a draft model's own pool mirrors
     its block size, KV budget and attention settings); `history`: the engine's per-prompt history; `draft_model`:
-    `speculative_draft_model`, loaded once per engine (None when not set)."""
+    `speculative_draft_model`, loaded once per engine (None when not set); `draft_support`: its support contract,
+    checked once per engine (`draft_check.py`); `pool_blocks`: usable blocks of the target's pool for this call,
+    which the draft model's pool mirrors (its bytes were taken out of the engine's KV budget; None outside an
+    engine: the budget's tokens)."""
 
     device: torch.device
     sampling: SamplingParams
     engine: EngineConfig
     history: PromptHistory | None = None
     draft_model: torch.nn.Module | None = None
+    draft_support: ModelSupport | None = None
+    pool_blocks: int | None = None
 
 
 @dataclass

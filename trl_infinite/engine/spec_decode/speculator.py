@@ -9,9 +9,12 @@ import torch
 
 from ..config import EngineConfig, SamplingParams
 from ..executor import StepContext
+from ..model_guard import model_guard
 from ..registry import DRAFTERS
+from ..support import ModelSupport, check_support
 from .adaptive import AcceptanceTracker, CostModel, sample_acceptance
 from .decoupled import DecoupledStep
+from .draft_check import check_vocabulary, draft_block_bytes, own_configs
 from .drafter import DraftContext, Drafter
 from .plan import DraftTimes, StepTimes
 from .step import SpeculativeStep
@@ -22,7 +25,11 @@ class Speculator:
     the engine's history, the cost models of verification and drafting (profiled once per model) and the mean
     acceptance (the decoupled plan's `p`, which changes little between calls)."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, history=None):
+    def __init__(self, config: EngineConfig, device: torch.device, history=None, target: torch.nn.Module | None = None,
+                 target_support: ModelSupport | None = None):
+        """`target` (the engine's model, with its `target_support`): the draft model is checked against it once
+        (`draft_check.py`: its own config objects, its vocabulary, its support contract), `draft_support` kept for
+        every call's drafter and `draft_block_bytes` for the engine's KV budget."""
         self.engine_config = config
         self.config = config.speculative
         self.adaptive = self.config.adaptive
@@ -33,18 +40,41 @@ class Speculator:
         self.sample_acceptance: deque[float] = deque(maxlen=1024)  # per finished sample, the latest calls'
         self.history = history  # the engine's `PromptHistory` (drafts from earlier visits)
         self.draft_model = None
+        self.draft_support: ModelSupport | None = None
         if self.config.draft_model is not None:
             from .draft_model import load_draft_model
 
             self.draft_model = load_draft_model(self.config.draft_model, device)
+            if target is not None:
+                self.draft_support = self._check_draft(target, target_support)
+
+    def _check_draft(self, target: torch.nn.Module, target_support: ModelSupport | None) -> ModelSupport:
+        """The draft model checked like the target (`draft_check.py`); its support contract."""
+        draft, decode = self.draft_model, self.engine_config.decode
+        own_configs(draft, target)
+        check_vocabulary(draft, target)
+        if draft is target and target_support is not None:
+            return target_support
+        with model_guard(draft, "RolloutEngine(model) (checking `speculative_draft_model`)"):
+            try:
+                return check_support(draft, decode.attention_backend, decode.cpu_decode_kernel)
+            except ValueError as e:
+                raise ValueError(f"`speculative_draft_model`: {e}") from e
+
+    def draft_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of the draft model's pool (0 without a checked draft model): each block of the
+        engine's byte budget pays for the target's and the draft's (`kv_pool.KVCachePool`)."""
+        return 0 if self.draft_support is None else draft_block_bytes(self.draft_support, block_size)
 
     @property
     def max_tokens(self) -> int:
         return self.config.num_tokens
 
-    def build_drafter(self, sampling: SamplingParams) -> Drafter:
-        """A fresh drafter for one `generate` call, the one `speculative_method` names."""
-        context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model)
+    def build_drafter(self, sampling: SamplingParams, pool_blocks: int | None = None) -> Drafter:
+        """A fresh drafter for one `generate` call, the one `speculative_method` names (`pool_blocks`: the target
+        pool's usable blocks in this call, which a draft model's pool mirrors)."""
+        context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model,
+                               self.draft_support, pool_blocks)
         return DRAFTERS.build(self.config.method, self.config, context)
 
     def step_times(self) -> StepTimes | None:
@@ -67,7 +97,7 @@ class Speculator:
         return float(torch.tensor(list(self.sample_acceptance), dtype=torch.float64).quantile(1.0 / (rows + 1)))
 
     def begin(self, ctx: StepContext, sampling: SamplingParams) -> SpeculativeStep:
-        drafter = self.build_drafter(sampling)
+        drafter = self.build_drafter(sampling, ctx.runner.pool.num_blocks)
         if not self.config.decoupled:
             return SpeculativeStep(ctx, self, drafter, sampling)
         if not drafter.supports_ahead:
