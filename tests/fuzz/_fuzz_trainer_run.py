@@ -34,13 +34,13 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer
 
-REL = 1e-4  # of the largest entry (gradients of a step, weights)
+REL = 3e-4  # of the largest entry (gradients of a step, weights)
 REL_METRIC = 1e-3  # metrics: relative, plus `ABS_METRIC`
 ABS_METRIC = 1e-5
 TIMING_KEYS = ("runtime", "per_second", "total_flos", "step_time", "train_loss")  # wall-clock metrics
 # TRL's metrics computed per micro batch (a token mean, or a min / max over its rows) and then averaged over the
 # micro batches: they depend on which rows share a micro batch (TRL's split is random, ours groups rows by prompt or
-# length); compared only with one micro batch per generation while "split_terms" is pending
+# length); compared only with one micro batch per generation while "split_metrics" is pending
 SPLIT_METRICS = ("entropy", "kl", "aux_loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                  "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
 
@@ -230,7 +230,7 @@ def compare(ours: Run, ref: Run) -> None:
     for name, p in ours.trainer.model.named_parameters():
         _close(p.detach(), params[name].detach(), scale, f"weight {name} after training")
     one_split = ref.trainer.args.steps_per_generation == 1
-    skip = () if one_split or not {"split_terms"} & PENDING else SPLIT_METRICS
+    skip = () if one_split or "split_metrics" not in PENDING else SPLIT_METRICS
     compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history, skip)
 
 
