@@ -113,10 +113,13 @@ def metric_weights(parts: list[dict], reduce) -> tuple[list[float], list[float]]
 
 
 def merge_metrics(metrics: dict, before: dict[str, int], tokens: list[float], rows: list[float],
-                  token_level: bool) -> None:
+                  token_level: bool, one_column: bool = False) -> None:
     """Replace the values the slices appended to each metric list by the value TRL logs for the whole micro batch
     (see the module docstring). `before`: each list's length before the slices ran; `token_level`: TRL's
-    `importance_sampling_level == "token"` (its clip ratios are then token means, else row means)."""
+    `importance_sampling_level == "token"` (its clip ratios are then token means, else row means); `one_column`: the
+    micro batch's completions are one column wide, which TRL's metrics read as one value per row (row means)."""
+    if one_column:
+        tokens = rows
     k = len(tokens)
     for key, values in metrics.items():
         new = values[before.get(key, 0):]
