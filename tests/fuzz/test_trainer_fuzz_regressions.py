@@ -8,6 +8,7 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
    rows instead of the number of tokens: 0.568 vs `GRPOTrainer`'s 4.547 (8 rows).
 2. The metrics of a micro batch without unmasked tokens, cut into slices by `backward_token_budget`, merged to NaN
    (logged None) where `GRPOTrainer` logs 0.0.
+3. One-column completions cut into slices: the slices' masked means merged by tokens where TRL's value is a row mean.
 """
 
 from __future__ import annotations
@@ -43,4 +44,16 @@ def test_metrics_of_a_micro_batch_without_tokens_cut_into_slices(tmp_path):
                 ours={"shared_prefix_training": False, "backward_token_budget": 8},
                 prompts=["what is 1 plus 2 ?"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
                 completions=[[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_metrics_of_a_one_column_micro_batch_cut_into_slices(tmp_path):
+    """3. Completions one token wide (TRL's batch too) cut into slices by `backward_token_budget`: TRL reads the
+    [B, 1] entropies as one value per row (a row mean, masked rows included); the slices were merged by tokens
+    (`entropy` 1.521 vs `GRPOTrainer`'s 1.141)."""
+    args = {**ARGS, "mask_truncated_completions": True, "loss_type": "cispo", "max_completion_length": 1}
+    case = Case(family="cohere", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": 8},
+                prompts=["0", "0 0"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=[[EOS], [5], [6], [EOS]])
     run_case(case, tmp_path, tiny_tokenizer())
