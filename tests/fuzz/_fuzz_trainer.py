@@ -20,6 +20,10 @@ PENDING = {
     # `kl`, the clip ratios, `aux_loss`, ...) depend on which rows share a micro batch; ours groups rows by prompt or
     # length where the loss allows it (found by this fuzzer; not yet fixed or documented)
     "split_metrics",
+    # Streamed reward chunks hold whole TRL groups, but two groups of the same prompt text (two dataset rows) reach a
+    # reward function that groups by prompt in separate calls; TRL's one call sees them together (found by this
+    # fuzzer's long profile; reward_chunks area): prompts drawn distinct with a group-relative reward until decided
+    "equal_prompt_groups",
     # "Rollouts from stale weights": `rollout_kv_cache_release=False` across optimizer steps -- wt-cache
     "stale_cache",
 }
@@ -183,6 +187,8 @@ def cases(draw) -> Case:
 
     n_prompts = draw(st.integers(groups, groups + 3))
     prompts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12))) for _ in range(n_prompts)]
+    if "group_relative_length" in rewards and "equal_prompt_groups" in PENDING:
+        prompts = [f"{p} {i}" for i, p in enumerate(prompts)]  # distinct texts
     return Case(
         family=name, model_overrides=overrides, args=args, ours=ours, prompts=prompts,
         completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
