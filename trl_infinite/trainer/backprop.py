@@ -87,6 +87,9 @@ def trim_padding(batch: dict, multiple: int | None = None) -> dict:
     C = completion_mask.size(1)
     used_c = completion_mask.any(dim=0).nonzero()
     keep = _round_up(int(used_c[-1]) + 1 if used_c.numel() else 1, multiple, C)
+    # TRL's metrics take a [B, 1] completion tensor for `importance_sampling_level="sequence"` values (one per row):
+    # never trim to one column a batch that TRL runs wider
+    keep = max(keep, min(2, C))
     if keep == C:
         return batch
     out = dict(batch)

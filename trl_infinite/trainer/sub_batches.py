@@ -113,10 +113,13 @@ def metric_weights(parts: list[dict], reduce) -> tuple[list[float], list[float]]
 
 
 def merge_metrics(metrics: dict, before: dict[str, int], tokens: list[float], rows: list[float],
-                  token_level: bool) -> None:
+                  token_level: bool, one_column: bool = False) -> None:
     """Replace the values the slices appended to each metric list by the value TRL logs for the whole micro batch
     (see the module docstring). `before`: each list's length before the slices ran; `token_level`: TRL's
-    `importance_sampling_level == "token"` (its clip ratios are then token means, else row means)."""
+    `importance_sampling_level == "token"` (its clip ratios are then token means, else row means); `one_column`: the
+    micro batch's completions are one column wide, which TRL's metrics read as one value per row (row means)."""
+    if one_column:
+        tokens = rows
     k = len(tokens)
     for key, values in metrics.items():
         new = values[before.get(key, 0):]
@@ -137,6 +140,6 @@ def merge_metrics(metrics: dict, before: dict[str, int], tokens: list[float], ro
 
 def _weighted(values: list[float], weights: list[float]) -> float:
     total = sum(w for v, w in zip(values, weights) if not math.isnan(v))
-    if total == 0:
-        return float("nan")
+    if total == 0:  # no token in the micro batch: TRL's masked mean divides by `count.clamp(min=1)`, giving 0
+        return 0.0 if any(not math.isnan(v) for v in values) else float("nan")
     return sum(v * w for v, w in zip(values, weights) if not math.isnan(v)) / total

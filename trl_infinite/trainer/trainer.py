@@ -370,7 +370,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             done = loss.detach() if done is None else done + loss.detach()
         tokens, rows = metric_weights(parts, lambda t: self.accelerator.reduce(t.to(self.accelerator.device),
                                                                                 reduction="sum").cpu())
-        merge_metrics(metrics, before, tokens, rows, token_level=self.importance_sampling_level == "token")
+        merge_metrics(metrics, before, tokens, rows, token_level=self.importance_sampling_level == "token",
+                      one_column=inputs["completion_mask"].shape[1] == 1)
         return loss + done
 
     def _loss_slices(self, inputs: dict) -> list[slice] | None:

@@ -1,0 +1,249 @@
+"""One case of the trainer fuzzer (drawn by `_fuzz_trainer.py`): `InfiniteGRPOTrainer` and vanilla `GRPOTrainer`
+trained from the same initial weights and seed on the same completions, and compared.
+
+Completions: `fixed` rollouts patch `_generate_single_turn` on both trainers with one deterministic function of the
+prompt and the row; `engine` rollouts let `InfiniteGRPOTrainer` sample with its engine (streamed rewards included)
+and replay the recorded completions and sampling log-probs through `GRPOTrainer`.
+
+Checked, for every optimizer step: the per-token log-probs (and entropies) of every completion in the loss's forward
+(rows matched by their prompt and completion tokens, whatever micro batch and padding they ran in), every
+parameter's accumulated gradient, the weights after the last step (SGD) and every logged metric (the loss
+included). Tolerance: float32 round-off of different reduction orders and paddings, `REL` of the largest entry of
+the step's gradients / of the weights (a real difference is of order 1e-2 and more on these models); metrics
+relative `REL_METRIC`. A model refused by the engine's contract must fall back with a warning
+(`engine_fallback_reasons`), one refused by the shared-prefix contract with a warning (`shared_prefix_reason`), and
+both must still train exactly as `GRPOTrainer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from unittest.mock import patch
+
+import torch
+from _fuzz_trainer import EOS, FAMILIES, PENDING, REWARDS, Case
+from datasets import Dataset
+from transformers import PrinterCallback, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_infinite.testing.tiny_configs import build_tiny_model
+from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer
+
+REL = 3e-4  # of the largest entry (gradients of a step, weights)
+REL_METRIC = 1e-3  # metrics: relative, plus `ABS_METRIC`
+ABS_METRIC = 1e-5
+TIMING_KEYS = ("runtime", "per_second", "total_flos", "step_time", "train_loss")  # wall-clock metrics
+# TRL's metrics computed per micro batch (a token mean, or a min / max over its rows) and then averaged over the
+# micro batches: they depend on which rows share a micro batch (TRL's split is random, ours groups rows by prompt or
+# length); compared only with one micro batch per generation while "split_metrics" is pending
+SPLIT_METRICS = ("entropy", "kl", "aux_loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
+
+
+
+def fixed_completions(seed: int, max_len: int, given: list[list[int]] | None = None):
+    """`_generate_single_turn` returning completions that are a function of the prompt and the row only: 1 to
+    `max_len` tokens, some ending in EOS (or `given`, row i getting `given[i % len(given)]`)."""
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if given is not None:
+            return [list(given[i % len(given)]) for i in range(len(prompt_ids))], None
+        out = []
+        for i, p in enumerate(prompt_ids):
+            rng = random.Random(hash((seed, tuple(p), i % num_generations)))
+            ids = [rng.randrange(4, 90) for _ in range(rng.randint(1, max_len))]
+            if rng.random() < 0.4:
+                ids[-1] = EOS
+            out.append(ids)
+        return out, None
+
+    return generate
+
+
+class Capture(TrainerCallback):
+    """The accumulated gradient of each optimizer step (right before the step)."""
+
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def record_logps(trainer, capture: Capture, seen: dict):
+    """Wraps the trainer's log-prob forward: per optimizer step, each loss-forward row's log-probs (and entropies)
+    at its completion tokens, keyed by (step, prompt tokens, completion tokens)."""
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def wrapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, ent, *rest = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if torch.is_grad_enabled():
+            C = logits_to_keep
+            for b in range(input_ids.shape[0]):
+                pmask, cmask = attention_mask[b, :-C].bool(), attention_mask[b, -C:].bool()
+                if not cmask.any():
+                    continue
+                key = (len(capture.grads), tuple(input_ids[b, :-C][pmask].tolist()),
+                       tuple(input_ids[b, -C:][cmask].tolist()))
+                seen.setdefault(key, (logps[b][cmask].detach().clone(),
+                                      None if ent is None else ent[b][cmask].detach().clone()))
+        return (logps, ent, *rest)
+
+    trainer._get_per_token_logps_and_entropies = wrapped
+
+
+@dataclass
+class Run:
+    trainer: GRPOTrainer
+    capture: Capture
+    logps: dict
+    warnings: list[str]
+
+
+def build_model(case: Case, tmp: Path) -> torch.nn.Module:
+    family = FAMILIES[case.family]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_tiny_model(family.model_type, seed=case.model_seed, **case.model_overrides)
+    if case.args["beta"] > 0 and not case.peft:  # TRL builds the reference model from the policy's path
+        path = tmp / "init"
+        model.save_pretrained(path)
+        model.config._name_or_path = str(path)
+    return model.train()
+
+
+def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
+    ours = cls is InfiniteGRPOTrainer
+    kw = dict(output_dir=str(tmp / cls.__name__), use_cpu=True, bf16=False, report_to="none", optim="sgd",
+              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+              **case.args)
+    args = InfiniteGRPOConfig(**kw, **case.ours) if ours else GRPOConfig(**kw)
+    peft_config = None
+    if case.peft:
+        import peft
+
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                                      init_lora_weights=False)
+    capture = Capture()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(case.model_seed)  # the adapters' initial weights
+        trainer = cls(model=model, reward_funcs=[REWARDS[r] for r in case.rewards], args=args,
+                      train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
+                      peft_config=peft_config, callbacks=[capture])
+        logps: dict = {}
+        record_logps(trainer, capture, logps)
+        if generate is not None:
+            trainer._generate_single_turn = generate
+        trainer.remove_callback(PrinterCallback)
+        # accelerate's `free_memory` at the start of `train` runs `gc.collect()` (1-2 s with hypothesis' heap)
+        with patch("accelerate.utils.memory.clear_device_cache"):
+            trainer.train()
+    return Run(trainer, capture, logps, [str(w.message) for w in caught])
+
+
+def run_case(case: Case, tmp: Path, tokenizer) -> None:
+    model = build_model(case, tmp)
+    initial = copy.deepcopy(model)
+    if case.rollout == "fixed":
+        generate = fixed_completions(case.completion_seed, case.args["max_completion_length"], case.completions)
+        ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, generate)
+        ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, generate)
+    else:
+        recorded: list = []
+        depth = [0]  # a refused model re-enters `_generate_single_turn` on its fallback: record the outer call
+        original = InfiniteGRPOTrainer._generate_single_turn
+
+        def recording(self, *args, **kwargs):
+            depth[0] += 1
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:  # with the global RNG after it (TRL's `generate` fallback samples from it)
+                recorded.append((out, torch.get_rng_state()))
+            return out
+
+        def replay(*args, **kwargs):
+            out, rng = next(calls)
+            torch.set_rng_state(rng)  # `bnpo`'s random split draws from it next, in both trainers
+            return out
+
+        calls = iter(recorded)
+        InfiniteGRPOTrainer._generate_single_turn = recording
+        try:
+            ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, None)
+        finally:
+            InfiniteGRPOTrainer._generate_single_turn = original
+        ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, replay)
+    check_contracts(case, ours)
+    compare(ours, ref)
+
+
+def check_contracts(case: Case, ours: Run) -> None:
+    """A refused model falls back with a warning; the shared-prefix forward is used or refused with a warning."""
+    trainer = ours.trainer
+    if FAMILIES[case.family].refused == "engine":
+        assert trainer.engine_fallback_reasons, "a model the engine refuses ran on the engine"
+        assert any("instead of the rollout engine" in w for w in ours.warnings), ours.warnings
+    elif case.rollout == "engine":
+        assert trainer.uses_engine, trainer.engine_fallback_reasons
+    if case.ours["shared_prefix_training"] and trainer.shared_prefix is None:
+        assert trainer.shared_prefix_reason, "shared-prefix forward off without a reason"
+        assert any("instead of the shared-prefix forward" in w for w in ours.warnings), ours.warnings
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    # a zero (or vanishing) reference, e.g. the KL term's gradient at the reference weights, exactly 0 only where
+    # both forwards round alike: compared to 1e-3 (gradients of these models are of order 0.1 to 1)
+    scale = max(scale, 1e-3)
+    assert diff <= REL * scale, f"{what}: max |diff| {diff:.3g} > {REL:g} x {scale:.3g}"
+
+
+def compare(ours: Run, ref: Run) -> None:
+    a, b = ours.capture.grads, ref.capture.grads
+    assert len(a) == len(b) > 0, (len(a), len(b))
+    # log-probs of every row of every step's loss forward
+    if not ref.logps:  # every completion masked (e.g. all truncated under `mask_truncated_completions`)
+        assert not ours.logps, "ours ran loss forwards on rows TRL masked entirely"
+    missing = [k for k in ref.logps if k not in ours.logps]
+    assert not missing, f"{len(missing)} rows of TRL's loss forward never ran in ours, e.g. {missing[0]}"
+    for key, (want, want_ent) in ref.logps.items():
+        got, got_ent = ours.logps[key]
+        _close(got, want, max(1.0, want.abs().max().item()), f"log-probs of step {key[0]} row {key[1:]}")
+        assert (got_ent is None) == (want_ent is None), "entropies computed in one trainer only"
+        if want_ent is not None:
+            _close(got_ent, want_ent, max(1.0, want_ent.abs().max().item()), f"entropies of step {key[0]}")
+    for step, (got, want) in enumerate(zip(a, b)):
+        assert got.keys() == want.keys() and want, (sorted(set(got) ^ set(want)))
+        scale = max(g.abs().max().item() for g in want.values())
+        for name in want:
+            _close(got[name], want[name], scale, f"gradient of {name} at step {step}")
+    params = dict(ref.trainer.model.named_parameters())
+    scale = max(p.abs().max().item() for p in params.values())
+    for name, p in ours.trainer.model.named_parameters():
+        _close(p.detach(), params[name].detach(), scale, f"weight {name} after training")
+    one_split = ref.trainer.args.steps_per_generation == 1
+    skip = () if one_split or "split_metrics" not in PENDING else SPLIT_METRICS
+    compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history, skip)
+
+
+def compare_metrics(got: list[dict], want: list[dict], skip: tuple[str, ...] = ()) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for step, (g, w) in enumerate(zip(got, want)):
+        for key, value in w.items():
+            if any(t in key for t in TIMING_KEYS) or key in skip or not isinstance(value, (int, float)):
+                continue
+            assert key in g, f"metric {key} missing at log {step}"
+            x = g[key]
+            assert isinstance(x, (int, float)), f"metric {key} at log {step}: {x} vs {value}"
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(x), f"metric {key} at log {step}: {x} vs NaN"
+                continue
+            assert abs(x - value) <= ABS_METRIC + REL_METRIC * abs(value), f"metric {key} at log {step}: {x} vs {value}"

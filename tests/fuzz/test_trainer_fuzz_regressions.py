@@ -1,0 +1,59 @@
+"""Failures the trainer fuzzer (`test_trainer_fuzz.py`) found, shrunk, kept as ordinary tests (each failed before its
+fix). Each trains `InfiniteGRPOTrainer` and `GRPOTrainer` on the same completions and compares log-probs, every
+gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
+
+1. A micro batch trimmed to one completion column (`mask_truncated_completions=True`, the only unmasked completion
+   one token long, TRL's batch 4 columns wide): TRL's metrics read a [B, 1] tensor as one value per sequence
+   (`importance_sampling_level="sequence"`), so `entropy` (and `kl`, the clip ratios) were divided by the number of
+   rows instead of the number of tokens: 0.568 vs `GRPOTrainer`'s 4.547 (8 rows).
+2. The metrics of a micro batch without unmasked tokens, cut into slices by `backward_token_budget`, merged to NaN
+   (logged None) where `GRPOTrainer` logs 0.0.
+3. One-column completions cut into slices: the slices' masked means merged by tokens where TRL's value is a row mean.
+"""
+
+from __future__ import annotations
+
+from _fuzz_trainer import EOS, Case
+from _fuzz_trainer_run import run_case
+from _models import tiny_tokenizer
+
+ARGS = dict(
+    loss_type="grpo", num_generations=2, per_device_train_batch_size=4, steps_per_generation=1,
+    gradient_accumulation_steps=1, num_iterations=1, max_completion_length=4, importance_sampling_level="token",
+    epsilon=0.2, temperature=1.0, beta=0.0, mask_truncated_completions=False, scale_rewards="group",
+    gradient_checkpointing=False, max_grad_norm=0.0, learning_rate=0.05, max_steps=1,
+)
+
+
+def test_a_micro_batch_is_never_trimmed_to_one_completion_column(tmp_path):
+    args = {**ARGS, "mask_truncated_completions": True, "beta": 0.04}
+    case = Case(family="qwen3", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": True, "backward_token_budget": None},
+                prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=[[EOS], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_metrics_of_a_micro_batch_without_tokens_cut_into_slices(tmp_path):
+    """2. Every completion truncated under `mask_truncated_completions=True` and the micro batch cut into slices by
+    `backward_token_budget`: the merged token means (`entropy`, the clip ratios) were NaN (logged as None) where
+    TRL's masked mean divides by `count.clamp(min=1)` and logs 0.0."""
+    args = {**ARGS, "mask_truncated_completions": True, "loss_type": "luspo", "num_generations": 3,
+            "per_device_train_batch_size": 3}
+    case = Case(family="qwen3", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": 8},
+                prompts=["what is 1 plus 2 ?"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=[[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_metrics_of_a_one_column_micro_batch_cut_into_slices(tmp_path):
+    """3. Completions one token wide (TRL's batch too) cut into slices by `backward_token_budget`: TRL reads the
+    [B, 1] entropies as one value per row (a row mean, masked rows included); the slices were merged by tokens
+    (`entropy` 1.521 vs `GRPOTrainer`'s 1.141)."""
+    args = {**ARGS, "mask_truncated_completions": True, "loss_type": "cispo", "max_completion_length": 1}
+    case = Case(family="cohere", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": 8},
+                prompts=["0", "0 0"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=[[EOS], [5], [6], [EOS]])
+    run_case(case, tmp_path, tiny_tokenizer())
