@@ -1,4 +1,19 @@
-"""Runs a Hugging Face causal LM over the paged KV pool: packed host-built segments, or a static decode batch."""
+"""Runs a Hugging Face causal LM over the paged KV pool: packed host-built segments, or a static decode batch.
+
+Row-count invariance on CPU (`ROW_MULTIPLE`): a row's logits must not depend on how many rows share its forward, or
+a seed's samples would change with the schedule (a tail batch of 1-3 rows) and with speculation (a verification
+forward of another row count than the plain step), since at temperature 1 a near-tie of the inverse CDF flips on the
+last bit. CPU BLAS (MKL here) multiplies a matrix of 1-3 rows by another kernel (matrix-vector, or a narrower
+micro-kernel) than 4+ rows, and, with several threads, rows past the last multiple of 4 of a thread's share by a
+remainder kernel: measured on this machine's MKL (AVX512, 1-16 threads, every Linear shape of SmolLM2-135M and of
+the tiny test models, 1 to 260 rows), a row's product is bit-identical whatever the row count whenever the count is
+a multiple of 4 (`tests/engine/test_row_invariance.py` pins it). So on CPU every forward runs a multiple of 4 rows:
+`forward` adds one-token padding segments that write the pool's null block, and the logits kept (`logits_to_keep`)
+are padded the same way; the static decode step pads its rows to buckets that are multiples of 4
+(`static_decode.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
+(one (row, head) per work item); the verification forward runs its query tokens as decode rows of their own
+(`spec_decode/step.py`), so it goes through the same kernel as the plain step.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +33,13 @@ from .attention import (
     torch_paged_attention,
 )
 from .kv_pool import KVCachePool, KVLayout
+
+ROW_MULTIPLE = 4  # rows of every CPU forward are padded to a multiple of this (module docstring)
+
+
+def padded_count(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
 
 
 def decode_kernel_serves(device: torch.device, attention_backend: str, layers: dict[int, LayerSpec], kv: KVLayout,
@@ -65,6 +87,8 @@ class ModelRunner:
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
         self.attn_configs = attention_configs(model)
         self.temperature_tuned = temperature_tuned(model)  # Llama 4's NoPE layers: scaled by position
+        # CPU: every forward at a multiple of `ROW_MULTIPLE` rows, verification as decode rows (module docstring)
+        self.row_multiple = ROW_MULTIPLE if self.device.type == "cpu" else 1
 
     def routed(self):
         """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
@@ -82,6 +106,11 @@ class ModelRunner:
         Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
         meta = self.backend.prepare(meta, self.mask_keys)
         ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.attend, self.layers)
+        keep = isinstance(logits_to_keep, torch.Tensor)
+        num_keep = logits_to_keep.shape[0] if keep else 0
+        if keep and num_keep % self.row_multiple:  # the LM head at a row-invariant count (module docstring)
+            pad = padded_count(num_keep, self.row_multiple) - num_keep
+            logits_to_keep = torch.cat([logits_to_keep, logits_to_keep[-1:].expand(pad)])
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
@@ -91,18 +120,22 @@ class ModelRunner:
             output_hidden_states=output_hidden,
         )
         logits = out.logits[0]
-        keep = isinstance(logits_to_keep, torch.Tensor)
         if keep and logits.shape[0] != logits_to_keep.shape[0]:  # a model that ignores `logits_to_keep`
             logits = logits[logits_to_keep]
         hidden = None
         if output_hidden:
             last = out.hidden_states[-1][0]
-            hidden = last[logits_to_keep] if keep else last
-        return logits, hidden
+            hidden = last[logits_to_keep[:num_keep]] if keep else last
+        return (logits[:num_keep], hidden) if keep else (logits, hidden)
 
     def forward(self, segments: list[Segment], logit_rows: torch.Tensor, output_hidden: bool = False):
         """Eager forward of host-side segments; `logit_rows` [R] indexes the packed query tokens whose logits are
-        needed. Returns (logits [R, V], hidden [R, hidden] or None)."""
+        needed. Returns (logits [R, V], hidden [R, hidden] or None). On CPU the packed tokens are padded to a
+        multiple of `ROW_MULTIPLE` with one-token segments writing the pool's null block (module docstring)."""
+        num_tokens = sum(len(s.tokens) for s in segments)
+        if num_tokens % self.row_multiple:
+            pad = Segment(0, [], [self.pool.null_block], 0, [0], -1)
+            segments = segments + [pad] * (padded_count(num_tokens, self.row_multiple) - num_tokens)
         input_ids, positions, meta = build_metadata(segments, self.pool.block_size, self.device)
         with self.routed():
             return self.run(input_ids, positions, meta, logit_rows.to(self.device), output_hidden)

@@ -1,6 +1,7 @@
 """The static decode step: one token per running sample through fixed-shape device state, sampled in the same region.
 
-`DecodeRows` holds the batch on the device; a step pads it to a bucket of rows (`bucket_sizes`) and runs
+`DecodeRows` holds the batch on the device; a step pads it to a bucket of rows (`bucket_sizes`; on CPU multiples of
+4, so that a row's logits do not depend on the batch size: `model_runner.ROW_MULTIPLE`) and runs
 `StaticDecoder._step` over fixed shapes: metadata from the persistent tables, the model forward, the logits
 processors and the inverse-CDF draw. Nothing in `_step` reads device data on the host, so it runs
 - eagerly (the default off CUDA),
@@ -26,7 +27,7 @@ from .attention import triton_tiles as tiles
 from .compiled_step import CompiledStep
 from .cuda_graphs import PoolMemory, graph_runtime
 from .decode_rows import DecodeRows
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, padded_count
 from .output_capture import install_capturing_hooks
 from .outputs import RolloutStats
 from .sampler import Sampler, row_keys, seed_base
@@ -36,9 +37,12 @@ from .step_graphs import StepGraphs
 from .weight_state import adapter_state
 
 
-def bucket_sizes(capacity: int) -> list[int]:
-    """Padded batch sizes: 1, 2, 4, 8, then multiples of 8 up to 64, of 16 up to 256, of 32 beyond; `capacity` last."""
-    sizes, n = [], 1
+def bucket_sizes(capacity: int, multiple: int = 1) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then multiples of 8 up to 64, of 16 up to 256, of 32 beyond; `capacity` last.
+    With `multiple` (a power of two up to 8; `ModelRunner.row_multiple`, 4 on CPU) only multiples of it: the sizes
+    below `multiple` are dropped and `capacity` is rounded up to one."""
+    capacity = padded_count(capacity, multiple)
+    sizes, n = [], multiple
     while n < capacity:
         sizes.append(n)
         n = n * 2 if n < 8 else n + (8 if n < 64 else 16 if n < 256 else 32)
@@ -116,7 +120,7 @@ class StaticDecoder:
               want_hidden: bool) -> None:
         """Prepare for one `generate` call: the rows' capacity and table widths, the sampler, the seed."""
         vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
-        cap = bucket_sizes(capacity)[-1]
+        cap = bucket_sizes(capacity, self.runner.row_multiple)[-1]
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
         pool = self.runner.pool
         if self.rows is None or not self.rows.fits(cap, pcols, ocols, vocab) or self.rows.null_block != pool.null_block:
@@ -184,7 +188,7 @@ class StaticDecoder:
         seqs = batch.decode
         row_of = self.rows.update(seqs, batch.grown, batch.rebuilt)
         n = len(seqs)
-        padded = next(b for b in bucket_sizes(self.rows.capacity) if b >= n)
+        padded = next(b for b in bucket_sizes(self.rows.capacity, self.runner.row_multiple) if b >= n)
         captured = self.graphs is not None and self.graphs.covers(padded)
         args, key = self._args(padded, captured)
         t1 = time.perf_counter()

@@ -10,6 +10,7 @@ are simply overwritten later, and the scheduler trims the blocks reserved for dr
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,6 +89,8 @@ class SpeculativeStep:
             self.ctx.decoder.invalidate()
         start = [s.num_tokens - 1 for s in seqs]
         segments = [self._segment(s, [s.output_ids[-1]] + d, pos) for s, d, pos in zip(seqs, drafts, start)]
+        if self.ctx.runner.row_multiple > 1:  # CPU: each query token a decode row of its own (`_as_decode_rows`)
+            segments = _as_decode_rows(segments)
         t0 = time.perf_counter()
         n_query = sum(len(seg.tokens) for seg in segments)
         logits, _ = self.ctx.runner.forward(segments, torch.arange(n_query))
@@ -214,6 +217,16 @@ class SpeculativeStep:
                 stats.draft_tokens += len(d)
                 stats.accepted_tokens += n
         stats.mean_acceptance_length = (stats.accepted_tokens + self.verified_rows) / self.verified_rows
+
+
+def _as_decode_rows(segments: list[Segment]) -> list[Segment]:
+    """Each token of each verification segment as a one-token segment at its own position (same order, so the
+    logits rows are the same): the forward is then a decode forward (`PagedAttentionMetadata.is_decode`) whose row
+    at position `p` attends to positions `.. p` of its sample (the K/V of every position, drafts included, are
+    written before any layer attends), through the same attention kernel, at a row-invariant row count, as the plain
+    decode step: each row's logits are bit-identical to what the plain step computes for it
+    (`model_runner.ROW_MULTIPLE`), so verification emits exactly plain decoding's tokens on real models too."""
+    return [replace(seg, start_pos=seg.start_pos + j, tokens=[t]) for seg in segments for j, t in enumerate(seg.tokens)]
 
 
 def _to_host(v: Verified, raw: torch.Tensor | None):

@@ -10,8 +10,9 @@ inverse-CDF draw of `Sampler` with the uniform `U_j` keyed by (seed, prompt, sam
 Verification computes the same `y_0 .. y_k` from the same distributions and the same uniforms, accepts the drafts
 while `d_{j+1} = y_j`, and emits `y_0 .. y_n` (n = drafts accepted): exactly the tokens plain decoding emits, token
 for token, whatever the drafter proposed and however many drafts the adaptive controller asked for. A seed's samples
-are the same with and without speculation (up to the rounding of the verification forward against the one-token
-forward, as in greedy decoding).
+are the same with and without speculation: bit for bit on CPU in float32, where the verification forward computes
+each row's logits exactly as the plain step does (`step._as_decode_rows`, `model_runner.ROW_MULTIPLE`); elsewhere
+up to the rounding of the verification forward against the plain step's (the same distribution; docs/speculative.md).
 
 Distribution: the output is plain decoding's, so its law is `p`. For a deterministic draft `x` (suffix tree, n-gram,
 history: `q = delta_x`) the acceptance probability is `P(F^{-1}(U) = x) = p(x)`, the acceptance probability of
