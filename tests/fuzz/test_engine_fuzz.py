@@ -28,27 +28,16 @@ import torch
 from _fuzz_edges import bad_inputs, check_refused_before_the_call
 from _fuzz_engine import cases, draft_cases, run_case, run_draft_case, world
 from _models import tiny_model
-from hypothesis import HealthCheck, given, settings
+from _profiles import profile, register
+from hypothesis import given, settings
 
 from trl_infinite.engine import EngineConfig, RolloutEngine
 
-settings.register_profile(
-    "fuzz-ci", max_examples=160, derandomize=True, deadline=None, database=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
-)
-settings.register_profile(
-    "fuzz-long", max_examples=1000, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
-)
+register("fuzz", ci_examples=160, long_examples=1000)
 
 
 def _profile(request) -> settings:
-    """The CI profile, or the long one (`--fuzz-long` / `TRL_INFINITE_FUZZ=long`); `TRL_INFINITE_FUZZ_EXAMPLES=N`
-    sets the number of examples of either."""
-    long = request.config.getoption("--fuzz-long") or os.environ.get("TRL_INFINITE_FUZZ") == "long"
-    profile = settings.get_profile("fuzz-long" if long else "fuzz-ci")
-    examples = os.environ.get("TRL_INFINITE_FUZZ_EXAMPLES")
-    return settings(profile, max_examples=int(examples)) if examples else profile
+    return profile(request, "fuzz")
 
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unfeasible length constraints")  # generate, on min_new_tokens

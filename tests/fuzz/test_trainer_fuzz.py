@@ -12,7 +12,6 @@ failures are kept as ordinary tests in `test_trainer_fuzz_regressions.py`.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -21,25 +20,14 @@ import torch
 from _fuzz_trainer import cases
 from _fuzz_trainer_run import run_case
 from _models import tiny_tokenizer
-from hypothesis import HealthCheck, given, settings
+from _profiles import profile, register
+from hypothesis import given, settings
 
-settings.register_profile(
-    "trainer-fuzz-ci", max_examples=200, derandomize=True, deadline=None, database=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
-)
-settings.register_profile(
-    "trainer-fuzz-long", max_examples=400, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
-)
+register("trainer-fuzz", ci_examples=200, long_examples=400)
 
 
 def _profile(request) -> settings:
-    """The CI profile, or the long one (`--fuzz-long` / `TRL_INFINITE_FUZZ=long`); `TRL_INFINITE_FUZZ_EXAMPLES=N`
-    sets the number of examples of either."""
-    long = request.config.getoption("--fuzz-long") or os.environ.get("TRL_INFINITE_FUZZ") == "long"
-    profile = settings.get_profile("trainer-fuzz-long" if long else "trainer-fuzz-ci")
-    examples = os.environ.get("TRL_INFINITE_FUZZ_EXAMPLES")
-    return settings(profile, max_examples=int(examples)) if examples else profile
+    return profile(request, "trainer-fuzz")
 
 
 pytestmark = [
