@@ -265,8 +265,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if engine is not None:
             engine.reset_prefix_cache()
 
-    def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model)
+    def create_optimizer(self, *args, **kwargs):  # transformers < 5.x's takes no `model`
+        optimizer = super().create_optimizer(*args, **kwargs)
         events = getattr(self, "_weight_events", None)
         if events is not None:
             events.hook_optimizer(optimizer)
