@@ -44,6 +44,7 @@ from trl_infinite.engine.attention import triton_backend as tb  # noqa: E402
 from trl_infinite.engine.compiled_step import CompiledStep, StepCompileError  # noqa: E402
 from trl_infinite.engine.config import EngineConfig, SamplingParams  # noqa: E402
 from trl_infinite.engine.cuda_graphs import CaptureError, is_capture_error  # noqa: E402
+from trl_infinite.engine.static_decode import bucket_sizes  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 3, 5], [8, 9, 7]]
@@ -110,13 +111,14 @@ def test_compiled_triton_step_is_one_graph_and_token_identical(monkeypatch):
     monkeypatch.setattr(triton_op, "_launch", counted)  # the op's body (`triton_op.set_body`), looked up per call
     torch._dynamo.reset()
     counters.clear()
-    result = _engine(model, "aot_eager").generate(PROMPTS, 1, SamplingParams(max_new_tokens=tokens, temperature=0.0))
+    engine = _engine(model, "aot_eager")
+    result = engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=tokens, temperature=0.0))
     assert result.completion_ids == refs
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] >= 1
-    # the kernels ran inside the compiled step, once per layer of every decode step (2 layers, 2 rows; the 1-row
-    # calls before them are the support check's)
-    steps = result.stats.decode_steps
-    assert steps == tokens - 1 and launches.count(2) == 2 * steps and launches[-2 * steps:] == [2] * (2 * steps)
+    # the kernels ran inside the compiled step, once per layer of every decode step (2 layers, 2 rows padded to
+    # their bucket: 4 on CPU, `model_runner.ROW_MULTIPLE`; the calls before them are the support check's)
+    steps, rows = result.stats.decode_steps, bucket_sizes(2, engine.runner.row_multiple)[-1]
+    assert steps == tokens - 1 and launches[-2 * steps:] == [rows] * (2 * steps)
 
 
 class _Toy(torch.nn.Module):

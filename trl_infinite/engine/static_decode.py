@@ -90,7 +90,8 @@ class StaticDecoder:
         self.block_size = runner.pool.block_size
         # CUDA graphs on CUDA; off CUDA, the CPU stand-in while `graph_emulation.emulate_cuda_graphs` is active
         runtime = graph_runtime(self.device) if cuda_graphs else None
-        self.graphs = None if runtime is None else StepGraphs(runtime, runner.pool, self.block_size, max_graph_rows)
+        self.graphs = None if runtime is None else StepGraphs(runtime, runner.pool, self.block_size,
+                                                                       padded_count(max_graph_rows, runner.row_multiple))
         # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
         # in use
         self.full_tables = not runner.backend.gathers_columns
