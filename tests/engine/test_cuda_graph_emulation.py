@@ -117,6 +117,7 @@ def test_graphs_of_triton_kernels_and_compiled_steps(kw):
         # has no dispatch mode), covered without graphs by test_triton_compiled.py
         pytest.skip(f"torch {torch.__version__}: the capture emulation of a compiled Triton step needs the direct "
                     "dispatch (compiled_step.FAST_DISPATCH_TORCH)")
+    torch._dynamo.reset()  # nothing compiled by an earlier test is traced again under the emulator
     model = tiny_model("qwen3")
     refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
     engine, emu = _engine(model, **kw)
