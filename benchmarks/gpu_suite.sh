@@ -98,7 +98,9 @@ if [ -f "$TRACE" ]; then LENGTHS=(--trace "$TRACE"); fi
 PART_BUDGET=${PART_BUDGET:-530}
 # --part one: NAME, estimated H100 seconds, limit in seconds, per part in run order. The estimates are guesses (not
 # measured) from the assumptions in benchmarks/README.md "GPU suite"; a limit stops a part that runs long.
-ONE_PARTS=(preflight 30 45  graphs 60 80  decode_step 55 70  rollout 60 90  grpo_step 140 145  kernels 60 80)
+ONE_PARTS=(preflight 25 45  backends 45 70  graphs 45 70  decode_step 55 70  rollout 60 90  grpo_step 140 160
+           kernels 80 90)
+SKIP=" ${GPU_SUITE_SKIP:-} "  # names of --part one's parts not to run (e.g. GPU_SUITE_SKIP="kernels")
 declare -A EST=() LIMIT=()
 for ((i = 0; i < ${#ONE_PARTS[@]}; i += 3)); do
     EST[${ONE_PARTS[i]}]=${ONE_PARTS[i + 1]}; LIMIT[${ONE_PARTS[i]}]=${ONE_PARTS[i + 2]}
@@ -111,6 +113,7 @@ FAILED=0
 LAST_RC=0
 bench() {  # bench NAME LIMIT_S COMMAND...: run with a time limit (cut to the part's budget), log, keep going on failure
     local name=$1 limit=$2; shift 2
+    if [[ "$SKIP" == *" $name "* ]]; then echo "=== $name: skipped (GPU_SUITE_SKIP)"; return 0; fi
     if [ $PLAN = 1 ]; then
         local est=""
         if [ "$CURRENT" = one ]; then est=", estimate ${EST[$name]} s on an H100 (not measured)"; fi
@@ -213,14 +216,16 @@ partone() {
     if [ $PLAN = 0 ] && [ $LAST_RC != 0 ] && [ $LAST_RC != 3 ]; then  # 3: only trl / datasets / pytest missing
         echo "=== preflight FAILED (exit $LAST_RC): this machine cannot run the suite, the call stops here (the" \
              "preflight's rows are above and in tables.md)" >&2
-        for name in graphs decode_step rollout grpo_step kernels; do
+        for name in backends graphs decode_step rollout grpo_step kernels; do
             SUMMARY+=("$(printf '%-16s %-28s %4ss' "$name" "NOT RUN (preflight failed)" 0)")
             FAILED=$((FAILED + 1))
         done
         return 0
     fi
+    bench backends "${LIMIT[backends]}" "$PY" benchmarks/backend_exactness.py --models qwen3 llama \
+        --dtypes bfloat16 float32 --json "$OUT/backends.json"
     bench graphs "${LIMIT[graphs]}" "$PY" benchmarks/parallel_pytest.py --jobs "$JOBS_GRAPHS" --no-skips \
-        "${TEST_MODE[@]}" --json "$OUT/graphs.json" tests/engine/test_cuda_graphs_gpu.py \
+        --timeout $((LIMIT[graphs] - 10)) "${TEST_MODE[@]}" --json "$OUT/graphs.json" tests/engine/test_cuda_graphs_gpu.py \
         tests/engine/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical
     bench decode_step "${LIMIT[decode_step]}" "$PY" benchmarks/decode_step.py --model "$MODEL" "${ONE_STEP_ARGS[@]}" \
         --json "$OUT/decode_step.json"
@@ -232,7 +237,8 @@ partone() {
         --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" --trainers infinite trl --steps 2 \
         --json "$OUT/grpo_step.json"
     bench kernels "${LIMIT[kernels]}" env TRL_INFINITE_TRITON_AUTOTUNE=0 "$PY" benchmarks/parallel_pytest.py \
-        --jobs "$JOBS_KERNELS" "${TEST_MODE[@]}" --json "$OUT/kernels.json" tests/engine/test_triton_attention.py
+        --jobs "$JOBS_KERNELS" --timeout $((LIMIT[kernels] - 10)) "${TEST_MODE[@]}" --json "$OUT/kernels.json" \
+        tests/engine/test_triton_attention.py
 }
 
 part1() {

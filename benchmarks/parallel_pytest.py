@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collect-only", action="store_true", help="collect and shard only (dry run)")
     p.add_argument("--json", default=None, help="write the result as JSON (and the table as .md) here")
     p.add_argument("--cwd", default=str(ROOT), help="where pytest runs (default: the repository root)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds for the whole run: a shard still running then is killed and reported (its output so "
+                        "far printed); a test running longer than half of it dumps every thread's stack "
+                        "(pytest's faulthandler_timeout), so a hang shows where it is")
     a = p.parse_args(argv)
     if a.jobs < 1:
         p.error("--jobs must be >= 1")
@@ -79,16 +83,24 @@ def outcomes(junit: Path) -> list[dict]:
     return cases
 
 
-def run_shards(shards: list[list[str]], tmp: Path, cwd: str) -> list[dict]:
+def run_shards(shards: list[list[str]], tmp: Path, cwd: str, timeout: float | None = None) -> list[dict]:
     procs = []
+    start = time.perf_counter()
+    hang = ["-o", f"faulthandler_timeout={max(int(timeout / 2), 1)}"] if timeout else []
     for k, ids in enumerate(shards):
         junit, log = tmp / f"shard{k}.xml", tmp / f"shard{k}.log"
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfEs", *ids]
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfEs", *hang,
+                *ids]
         procs.append((k, junit, log, time.perf_counter(), subprocess.Popen(
             argv, cwd=cwd, stdout=log.open("w"), stderr=subprocess.STDOUT)))
     rows = []
     for k, junit, log, t0, proc in procs:
-        rc = proc.wait()
+        try:
+            rc = proc.wait(timeout=None if timeout is None else max(timeout - (time.perf_counter() - start), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            print(f"--- shard {k} KILLED after the run's {timeout:.0f} s (its output so far below)", flush=True)
         seconds = time.perf_counter() - t0
         text = log.read_text(errors="replace")
         print(f"--- shard {k} (exit {rc}, {seconds:.1f} s)\n{text[-6000:]}", flush=True)
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
         write(a.json, header, rows, {"collected": ids})
         return 0
     with tempfile.TemporaryDirectory(prefix="parallel_pytest_") as tmp:
-        rows = run_shards(shards, Path(tmp), a.cwd)
+        rows = run_shards(shards, Path(tmp), a.cwd, a.timeout)
     total = {k: sum(r[k] for r in rows) for k in ("tests", "passed", "failed", "errors", "skipped")}
     bad = total["failed"] + total["errors"] > 0 or total["passed"] == 0 or (a.no_skips and total["skipped"] > 0)
     header["result"] = ("FAILED: " if bad else "ok: ") + ", ".join(f"{v} {k}" for k, v in total.items()) + \

@@ -2,7 +2,8 @@
 `test_cuda_graph_emulation.py` checks on the CPU stand-in, checked once more against `torch.cuda.graph` itself.
 
 - graphs on and off give identical greedy output (Llama, Gemma2 soft-cap, gpt-oss sinks with batched experts,
-  Qwen3-MoE in bf16), on the Triton backend, and compiled + Triton + graphs;
+  Qwen3-MoE in bf16: captured, or refused by the trial capture where its grouped experts copy to the host), on the
+  Triton backend, and compiled + Triton + graphs;
 - an fp32 MoE with transformers' grouped expert matmul is refused by the trial capture (ATen's fallback copies the
   offsets to the host) and runs uncaptured, with the same output;
 - the graphs' pool is measured from the allocator (positive), and the reported peak counts it;
@@ -48,7 +49,11 @@ def test_graphs_on_off_identical(name, make, backend):
         engine = RolloutEngine(model, _config(cuda_graphs=graphs, attention_backend=backend))
         result = engine.generate(PROMPTS, 3, sampling)
         outs[graphs] = result.completion_ids
-        if graphs:
+        if graphs and name == "qwen3_moe_bf16" and not engine.decoder.use_graphs:
+            # transformers' grouped experts copy their offsets to the host (H100, torch 2.11): refused by the trial
+            # capture, run uncaptured (the output is still compared below)
+            assert "grouped_mm" in engine.decoder.graphs.failure
+        elif graphs:
             assert engine.decoder.use_graphs and engine.decoder.graphs.graphs
             memory = engine.decoder.graph_memory()
             assert result.stats.extra["cuda_graph_bytes"] == memory.reserved > 0

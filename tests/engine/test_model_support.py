@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from _models import reference_greedy, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference, refusal_pattern
@@ -268,3 +269,31 @@ def test_temperature_tuning_is_handed_back_after_nested_and_failed_forwards():
     with pytest.raises(RuntimeError), paged_attention(model, tuned=tuned):
         raise RuntimeError
     assert state() == [(True, False)]
+
+
+def test_auto_backend_falls_back_to_torch_where_triton_is_not_exact(monkeypatch, caplog):
+    """"auto" means the fastest exact backend: where the Triton kernels fail the exactness check (seen on an H100
+    for bf16 models) and the torch reference passes, the engine runs the torch backend, with a warning; an explicit
+    "triton" stays refused."""
+    import logging
+
+    from trl_infinite.engine import support as support_mod
+    from trl_infinite.engine.attention.torch_backend import torch_paged_attention
+
+    real = support_mod.exactness_problem
+
+    def triton_inexact(model, support, backend, ids, **kw):
+        return "relative logit error 1e-1 (planted)" if backend in ("auto", "triton") else real(
+            model, support, backend, ids, **kw)
+
+    monkeypatch.setattr(support_mod, "exactness_problem", triton_inexact)
+    monkeypatch.setattr(support_mod, "_auto_is_triton", lambda backend, device: backend == "auto")
+    model = tiny_model("llama")
+    with caplog.at_level(logging.WARNING, logger="trl_infinite.engine.support"):
+        engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4, attention_backend="auto"))
+    assert engine.support.attention_backend == "torch" and engine.runner.backend.attend is torch_paged_attention
+    assert "planted" in caplog.text and "torch backend" in caplog.text
+    out = engine.generate([[3, 4, 5]], 2, SamplingParams(max_new_tokens=4, temperature=0.0)).completion_ids
+    assert out == [reference_greedy(model, [3, 4, 5], 4, [])] * 2
+    with pytest.raises(ValueError, match="planted"):
+        RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4, attention_backend="triton"))

@@ -110,6 +110,19 @@ def test_replica_keeps_the_structure():
     assert not twin.training and next(twin.parameters()).device.type == "cpu"
 
 
+def test_replica_of_a_config_with_token_ids_past_the_shrunk_vocabulary(monkeypatch):
+    """A real config's pad / eos ids (Qwen3: 151643 .. 151645) lie past the replica's vocabulary of 96: the replica is
+    still built (found on an H100: a bf16 Qwen3-0.6B fell back to `generate`, "Padding_idx must be within
+    num_embeddings"), and a bf16 model of that config is served, decided on it."""
+    model = build_tiny_model("qwen3")
+    model.config.vocab_size = model.get_input_embeddings().num_embeddings  # (unchanged: the real model's vocabulary)
+    model.config.pad_token_id, model.config.eos_token_id = 150000, [150001, 150002]
+    built = replica.replica(model.to(torch.bfloat16))
+    assert built.config.pad_token_id == replica.REPLICA_VOCAB - 1 == built.config.eos_token_id[0]
+    monkeypatch.setattr(replica, "FLOAT32_COPY_MAX_PARAMS", 0)  # decided on the replica, as a model on a GPU is
+    RolloutEngine(model, EngineConfig(kv_cache_tokens=256, block_size=4))  # not refused
+
+
 def test_no_float32_model_to_decide_on_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(replica, "REPLICA_MAX_PARAMS", 0)
     with pytest.raises(support.UnsupportedModelError, match=r"cannot be checked in float32 \(its float32 replica "

@@ -74,6 +74,7 @@ def _compare(segs, num_blocks, heads, kv_heads, head_dim, dtype, v_dim=0, **feat
     k, v = _pool(num_blocks, kv_heads, head_dim, dtype, v_dim=v_dim)
     _, _, meta = build_metadata(segs, PAGE, DEVICE)
     q = torch.randn(1, heads, len(segs), head_dim).to(DEVICE, dtype)[0].transpose(0, 1)  # strided, like the model's
+    features = {name: f.to(DEVICE) if isinstance(f, torch.Tensor) else f for name, f in features.items()}
     layer = LayerAttention(scale=head_dim**-0.5, **features)
     got = _triton(q, k, v, meta, layer)
     ref = _reference(q.float(), k.float(), v.float(), meta, layer)

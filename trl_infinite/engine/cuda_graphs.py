@@ -39,7 +39,8 @@ class CaptureError(RuntimeError):
 
 # CUDA's own messages for work a stream capture does not permit (host syncs, pageable copies, ...) and for a capture
 # invalidated by such work
-_CUDA_CAPTURE_MESSAGES = ("stream is capturing", "cudaErrorStreamCapture", "during capture", "capture failed")
+_CUDA_CAPTURE_MESSAGES = ("stream is capturing", "cudaErrorStreamCapture", "during capture", "capture failed",
+                          "during CUDA graph capture")
 
 
 def is_capture_error(err: BaseException) -> bool:

@@ -96,7 +96,8 @@ class RolloutEngine:
         self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
                                 reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable,
                                 companion_block_bytes=draft_bytes)
-        self.runner = ModelRunner(model, self.pool, decode.attention_backend, self.support.layers,
+        self.runner = ModelRunner(model, self.pool, self.support.attention_backend or decode.attention_backend,
+                                  self.support.layers,
                                   cpu_decode_kernel=self.support.decode_kernel,
                                   capture_models=self.support.capture_models)
         self.decoder = StaticDecoder(self.runner, compile=decode.compile, cuda_graphs=decode.cuda_graphs,

@@ -16,8 +16,8 @@
   gets silently wrong:
   `host_sync`      reading device data on the host: `.item()`, `bool()`, `int()`, `.tolist()`, `.numpy()`, ops
                    tagged `data_dependent_output`, and ops whose CUDA implementation reads its inputs on the host
-                   (`aten._grouped_mm` outside bf16: ATen's fallback copies the offsets to the host; this is what
-                   fails for MoE models in fp32);
+                   (`aten._grouped_mm`: its offsets are copied to the host; in fp32 by ATen's fallback, and in
+                   bf16 too on an H100 with torch 2.11 and transformers 5.17's grouped experts: MoE models);
   `dynamic_shape`  ops whose output shape depends on data (`nonzero`, `masked_select`, `unique`, boolean-mask
                    indexing, `repeat_interleave` without `output_size`): a graph's shapes are fixed at capture;
   `host_upload`    a tensor built from host data inside the capture (`torch.tensor([...])`): on CUDA a pageable
@@ -34,6 +34,7 @@ apart (everything is on the CPU), so an explicit device copy inside the step is 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +52,7 @@ _UPLOAD_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _SKIP_ON_REPLAY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                    aten.new_empty.default, aten.new_empty_strided.default}
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_INDEX_PUTS = _INDEX_OPS - {aten.index.Tensor}
 _HOST_METHODS = ("tolist", "numpy", "__array__")  # Tensor methods that read data without a dispatched op
 
 
@@ -114,6 +116,7 @@ class _Recorder(TorchDispatchMode):
         self.external: dict[int, tuple[torch.Tensor, int]] = {}
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (outside tensor written, its value before)
         self._saved_keys: set[tuple] = set()
+        self._host_scalars: dict[int, weakref.ref] = {}  # 0-dim tensors made from host data inside the capture
 
     def refuse(self, kind: str, message: str) -> CaptureError:
         self.emulator.counts[kind] += 1
@@ -125,6 +128,8 @@ class _Recorder(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         self._save_outside_writes(func, args, kwargs)
         out = func(*args, **kwargs)
+        if func in _UPLOAD_OPS:
+            self._host_scalars[id(out)] = weakref.ref(out)
         in_storages = {_storage(t) for t in inputs}
         # a view (`to`, `reshape`, ... only when they return an alias of their input) or a bare allocation: no node
         aliased = func.is_view and all(_storage(t) in in_storages for t in _tensors(out))
@@ -147,12 +152,15 @@ class _Recorder(TorchDispatchMode):
         if func in _UPLOAD_OPS and args[0].dim() > 0:  # a 0-dim one is a host scalar (`x[i] = 0`): a constant
             raise self.refuse("host_upload", "a tensor is built from host data inside the capture "
                               "(`torch.tensor([...])`): build it once outside the step")
+        if func in _INDEX_PUTS and self._is_host_scalar(args[2]):
+            # `x[index_tensors] = 0` (not `x[i] = 0`): CUDA's index_put_ copies the host scalar to the device
+            raise self.refuse("host_upload", "`x[index_tensors] = scalar` copies the host scalar to the device "
+                              "inside the capture: use `scatter_` / `index_fill_` / `masked_fill_` with the scalar")
         if kwargs.get("pin_memory") or func is aten._pin_memory.default:
             raise self.refuse("host_alloc", f"{name} allocates pinned host memory inside the capture")
-        if func is _GROUPED_MM and any(
-                t.dtype != torch.bfloat16 for t in _tensors(args[:2])):
-            raise self.refuse("host_sync", "aten._grouped_mm outside bfloat16 runs ATen's CUDA fallback, which "
-                              "copies the group offsets to the host")
+        if func is _GROUPED_MM:
+            raise self.refuse("host_sync", "aten._grouped_mm copies its group offsets to the host inside a CUDA "
+                              "capture (ATen's fallback in fp32; in bf16 too on an H100 with torch 2.11)")
         if func in _INDEX_OPS:
             if any(t.dtype == torch.bool for t in _tensors(args[1])):
                 raise self.refuse("dynamic_shape", f"{name} with a boolean mask has a data-dependent shape")
@@ -162,6 +170,10 @@ class _Recorder(TorchDispatchMode):
             raise self.refuse("dynamic_shape", f"{name} without `output_size` has a data-dependent shape")
         if torch.Tag.dynamic_output_shape in func.tags:
             raise self.refuse("dynamic_shape", f"{name} has a data-dependent output shape")
+
+    def _is_host_scalar(self, t) -> bool:
+        ref = self._host_scalars.get(id(t))
+        return ref is not None and ref() is t
 
     def _save_outside_writes(self, func, args, kwargs) -> None:
         """Keep the value of every pre-existing tensor this op writes, to put it back after the capture."""

@@ -212,7 +212,14 @@ class CudaReservedRange(ReservedRange):
         self._handles.clear()
 
     def _as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
-        return torch.as_tensor(_CudaArray(address, nbytes), device=self.device)
+        # torch asks the driver which device the pointer belongs to (`cudaPointerGetAttributes`) once, here: an
+        # address reserved but not backed reads as host memory ("The specified pointer resides on host memory"), so
+        # the first granule is backed while the tensor is made, and given back after
+        self._back(address - self.base, self.granularity)
+        try:
+            return torch.as_tensor(_CudaArray(address, nbytes), device=self.device)
+        finally:
+            self._release_all()
 
 
 def reserve_range(sizes: Sequence[int], device: torch.device) -> ReservedRange | None:

@@ -73,14 +73,31 @@ def _shrink_dict(d: dict, keep_layers: bool, rules=SHRINK_RULES) -> dict:
             _shrink_value(name, value, keep_layers, rules) for name, value in d.items()}
 
 
+def _ids_in_vocab(d: dict) -> dict:
+    """Token ids (`pad_token_id`, `eos_token_id`, ...: ints or lists) at or past a shrunk `vocab_size` moved to its
+    last id, sub-configs included: the replica's embedding would refuse a padding row outside it (a Qwen3 config's
+    pad id 151643 in a vocabulary of 96); which row pads does not change the structure."""
+    vocab = d.get("vocab_size")
+    out = {}
+    for name, value in d.items():
+        if isinstance(value, dict):
+            value = _ids_in_vocab(value)
+        elif isinstance(vocab, int) and "token_id" in name:
+            fix = lambda i: vocab - 1 if isinstance(i, int) and not isinstance(i, bool) and i >= vocab else i  # noqa: E731
+            value = [fix(i) for i in value] if isinstance(value, list) else fix(value)
+        out[name] = value
+    return out
+
+
 def shrink_config(config, keep_layers: bool = False, rules=SHRINK_RULES):
     """`config` with every integer size field whose name says it is a vocabulary, head count, layer count (unless
     `keep_layers`), expert count, window or width capped at the tiny sizes (`SHRINK_RULES`), sub-configs included,
-    rebuilt through the config class so that its `__post_init__` derives the rest."""
+    token ids moved inside the shrunk vocabulary (`_ids_in_vocab`), rebuilt through the config class so that its
+    `__post_init__` derives the rest."""
     data = config.to_dict()
     for key in ("transformers_version", "architectures", "_name_or_path"):
         data.pop(key, None)
-    return type(config).from_dict(_shrink_dict(data, keep_layers, rules))
+    return type(config).from_dict(_ids_in_vocab(_shrink_dict(data, keep_layers, rules)))
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:

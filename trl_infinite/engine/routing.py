@@ -45,7 +45,8 @@ class ModelSupport:
     the dtype its logits are computed in (`compute_dtype`: the autocast dtype, else the parameters', which sets the
     exactness tolerance); the autocast dtype its forward runs under (None: off); whether decode attention runs
     through the C++ CPU kernel (built and checked exact on this model); the models a forward asking for hidden
-    states installs transformers' capturing hooks from (`output_capture.capturing_models`)."""
+    states installs transformers' capturing hooks from (`output_capture.capturing_models`); the attention backend
+    the checks passed on (`attention_backend`: "auto" resolved, see `support.check_support`; None: the one asked)."""
 
     kv: KVLayout
     layers: dict[int, LayerSpec]
@@ -54,6 +55,7 @@ class ModelSupport:
     autocast: torch.dtype | None = None
     decode_kernel: bool = False
     capture_models: tuple[torch.nn.Module, ...] = ()
+    attention_backend: str | None = None
 
 
 def model_name(model: torch.nn.Module) -> str:

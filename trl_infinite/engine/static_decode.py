@@ -300,6 +300,6 @@ class StaticDecoder:
         inputs[0].copy_(tokens)
         inputs[1].add_((group >= 0).long())
         if seen is not None:
-            seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
+            seen.scatter_(1, tokens[:, None], True)  # (`seen[rows, tokens] = True` uploads a host scalar)
         # [2, N] (token, log-prob), or [3, N] with raw log-probs (`SamplingParams.raw_logprobs_temperature`)
         return torch.cat([tokens[None].double(), token_logprobs.double().reshape(tokens.shape[0], -1).T]), hidden

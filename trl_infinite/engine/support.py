@@ -89,12 +89,31 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
             noise = _float32_decision(model, attention_backend, ids, forces_autocast=support.autocast is not None
                                       and autocast_dtype(param.device.type) is None)
         problem = exactness_problem(model, support, attention_backend, ids, float32_noise=noise)
+        if problem is not None and _auto_is_triton(attention_backend, param.device):
+            # "auto" asked for the fastest exact backend: the torch reference where the Triton kernels are not exact
+            fallback = exactness_problem(model, support, "torch", ids, float32_noise=noise)
+            if fallback is None:
+                logger.warning("attention_backend='auto': the Triton decode kernels do not run %s exactly (%s); the "
+                               "torch backend does, and runs it.", model_name(model), problem)
+                attention_backend, problem = "torch", None
+                support = replace(support, attention_backend="torch")
         if problem is not None:
             raise refusal(model, problem)
         if cpu_decode_kernel and decode_kernel_serves(param.device, attention_backend, support.layers, support.kv,
                                                       support.kv_dtype):
             support = replace(support, decode_kernel=_kernel_checked(model, support, attention_backend, ids))
     return support
+
+
+def _auto_is_triton(attention_backend: str, device: torch.device) -> bool:
+    if attention_backend != "auto":
+        return False
+    from .attention.backends import ATTENTION_BACKENDS, resolve_backend
+
+    try:
+        return resolve_backend("auto", device) is ATTENTION_BACKENDS.get_or_raise("triton")
+    except ImportError:
+        return False
 
 
 def _verdict_or_own_failure(model: torch.nn.Module, ids: torch.Tensor) -> ModelSupport:

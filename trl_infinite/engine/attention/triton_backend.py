@@ -179,6 +179,9 @@ def launch_cascade(
     """The kernel launches of `cascade_decode_attention` (the op's body, run eagerly; see `triton_op` for the
     arguments)."""
     _check(query, k_cache, v_cache)
+    if sinks is not None and sinks.device != query.device:
+        raise ValueError(f"the attention sinks are on {sinks.device}, the query on {query.device}: the Triton kernels "
+                         "read both on the query's device.")
     num_tokens, num_heads, head_dim_k = query.shape
     num_kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[2]
     if num_heads % num_kv_heads:
