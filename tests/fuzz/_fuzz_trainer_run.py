@@ -120,8 +120,8 @@ def build_model(case: Case, tmp: Path) -> torch.nn.Module:
 def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     ours = cls is InfiniteGRPOTrainer
     kw = dict(output_dir=str(tmp / cls.__name__), use_cpu=True, bf16=False, report_to="none", optim="sgd",
-              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-              **case.args)
+              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    kw.update(case.args)  # `optim` included
     args = InfiniteGRPOConfig(**kw, **case.ours) if ours else GRPOConfig(**kw)
     peft_config = None
     if case.peft:
@@ -156,6 +156,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, generate)
     else:
         recorded: list = []
+        sampled: list = []  # (optimizer steps done, prompt ids, (completions, sampling log-probs)) per rollout
         depth = [0]  # a refused model re-enters `_generate_single_turn` on its fallback: record the outer call
         original = InfiniteGRPOTrainer._generate_single_turn
 
@@ -167,6 +168,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
                 depth[0] -= 1
             if depth[0] == 0:  # with the global RNG after it (TRL's `generate` fallback samples from it)
                 recorded.append((out, torch.get_rng_state()))
+                sampled.append((self.state.global_step, args[0], out))
             return out
 
         def replay(*args, **kwargs):
@@ -181,6 +183,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         finally:
             InfiniteGRPOTrainer._generate_single_turn = original
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, replay)
+        check_sampling_logps(sampled, ours)
     check_contracts(case, ours)
     compare(ours, ref)
 
@@ -196,6 +199,27 @@ def check_contracts(case: Case, ours: Run) -> None:
     if case.ours["shared_prefix_training"] and trainer.shared_prefix is None:
         assert trainer.shared_prefix_reason, "shared-prefix forward off without a reason"
         assert any("instead of the shared-prefix forward" in w for w in ours.warnings), ours.warnings
+
+
+def check_sampling_logps(sampled: list, ours: Run) -> None:
+    """The engine sampled from the weights it was given: each completion's sampling log-probs (TRL's convention,
+    `log_softmax(logits / T)` of the sampled token) equal the loss forward's log-probs of the row in the optimizer
+    step of its rollout (every row's first loss forward runs before the next optimizer step in the drawn configs). A
+    prefix cache or weight copy kept from earlier weights breaks it."""
+    checked = 0
+    for step, prompt_ids, (completions, logps) in sampled:
+        if logps is None:  # TRL's own generation (a refused model)
+            continue
+        for prompt, ids, lp in zip(prompt_ids, completions, logps):
+            seen = ours.logps.get((step, tuple(prompt), tuple(ids)))
+            if seen is None:  # masked entirely (a truncated completion under `mask_truncated_completions`)
+                continue
+            want = seen[0]
+            got = torch.tensor(lp, dtype=want.dtype)
+            _close(got, want, max(1.0, want.abs().max().item()),
+                   f"sampling log-probs of the rollout at step {step}, row {tuple(prompt)} -> {tuple(ids)}")
+            checked += 1
+    assert checked or not ours.logps or all(s[2][1] is None for s in sampled), "no sampled row was checked"
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
