@@ -20,10 +20,6 @@ PENDING = {
     # `kl`, the clip ratios, `aux_loss`, ...) depend on which rows share a micro batch; ours groups rows by prompt or
     # length where the loss allows it (found by this fuzzer; not yet fixed or documented)
     "split_metrics",
-    # Streamed reward chunks hold whole TRL groups, but two groups of the same prompt text (two dataset rows) reach a
-    # reward function that groups by prompt in separate calls; TRL's one call sees them together (found by this
-    # fuzzer's long profile; reward_chunks area): prompts drawn distinct with a group-relative reward until decided
-    "equal_prompt_groups",
 }
 # `TRL_INFINITE_FUZZ_ENABLE=positions,split_metrics` fuzzes those pending draws too (to check a fix before merging it)
 PENDING -= set(filter(None, os.environ.get("TRL_INFINITE_FUZZ_ENABLE", "").split(",")))
@@ -186,14 +182,16 @@ def cases(draw) -> Case:
             args["multi_objective_aggregation"] = "normalize_then_sum"
         if draw(st.booleans()):
             args["reward_weights"] = [1.0, draw(st.sampled_from([0.5, -2.0]))]
-    if rollout == "engine" and draw(st.booleans()):
-        rewards += (draw(st.sampled_from(["group_length_penalty", "group_relative_length"])),)
-        args.pop("reward_weights", None)
+    if rollout == "engine":
+        ours["rollout_reward_chunks"] = draw(st.sampled_from(["groups", "groups", "batch"]))
+        if draw(st.booleans()):
+            rewards += (draw(st.sampled_from(["group_length_penalty", "group_relative_length", "group_rows_length"])),)
+            args.pop("reward_weights", None)
 
     n_prompts = draw(st.integers(groups, groups + 3))
     prompts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12))) for _ in range(n_prompts)]
-    if "group_relative_length" in rewards and "equal_prompt_groups" in PENDING:
-        prompts = [f"{p} {i}" for i, p in enumerate(prompts)]  # distinct texts
+    if draw(st.booleans()):  # two dataset rows with the same prompt text: two TRL groups
+        prompts.append(prompts[0])
     return Case(
         family=name, model_overrides=overrides, args=args, ours=ours, prompts=prompts,
         completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
@@ -222,12 +220,35 @@ group_length_penalty.reward_chunks = "batch"  # relative to the whole batch: sco
 
 
 def group_relative_length(completion_ids, prompts, **kwargs):
-    """Relative to the completions of the same prompt: needs whole groups (streamed chunks hold whole groups)."""
+    """Relative to the completions of the same prompt text: two dataset rows with the same prompt (two TRL groups)
+    are one set here, which only the whole batch holds (streamed chunks hold whole TRL groups): declared below."""
     by_prompt: dict = {}
     for p, ids in zip(prompts, completion_ids):
         by_prompt.setdefault(str(p), []).append(len(ids))
     return [len(ids) - sum(by_prompt[str(p)]) / len(by_prompt[str(p)]) for p, ids in zip(prompts, completion_ids)]
 
 
+group_relative_length.reward_chunks = "batch"  # groups by prompt text (docs/trainer.md, "reward chunks")
+
+
+def group_rows_length(num_generations: int):
+    """Relative to the completions of the same TRL group (each run of `num_generations` rows of the call, as in
+    TRL's call and in every streamed chunk, which holds whole groups in row order): streamed."""
+
+    def group_rows_length(completion_ids, **kwargs):
+        lens = [len(ids) for ids in completion_ids]
+        G = num_generations
+        means = [sum(lens[i - i % G:i - i % G + G]) / G for i in range(len(lens))]
+        return [n - m for n, m in zip(lens, means)]
+
+    return group_rows_length
+
+
 REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": group_length_penalty,
            "group_relative_length": group_relative_length}
+
+
+def reward_funcs(case: Case) -> list:
+    """The case's reward functions (`group_rows_length` made for its group size)."""
+    G = case.args["num_generations"]
+    return [group_rows_length(G) if r == "group_rows_length" else REWARDS[r] for r in case.rewards]

@@ -26,7 +26,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import torch
-from _fuzz_trainer import EOS, FAMILIES, PENDING, REWARDS, Case
+from _fuzz_trainer import EOS, FAMILIES, PENDING, Case, reward_funcs
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -133,7 +133,7 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(case.model_seed)  # the adapters' initial weights
-        trainer = cls(model=model, reward_funcs=[REWARDS[r] for r in case.rewards], args=args,
+        trainer = cls(model=model, reward_funcs=reward_funcs(case), args=args,
                       train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
                       peft_config=peft_config, callbacks=[capture])
         logps: dict = {}
