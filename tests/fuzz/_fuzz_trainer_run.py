@@ -26,7 +26,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import torch
-from _fuzz_trainer import EOS, FAMILIES, PENDING, Case, reward_funcs
+from _fuzz_trainer import EOS, FAMILIES, Case, reward_funcs
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -38,12 +38,6 @@ REL = 3e-4  # of the largest entry (gradients of a step, weights)
 REL_METRIC = 1e-3  # metrics: relative, plus `ABS_METRIC`
 ABS_METRIC = 1e-5
 TIMING_KEYS = ("runtime", "per_second", "total_flos", "step_time", "train_loss")  # wall-clock metrics
-# TRL's metrics computed per micro batch (a token mean, or a min / max over its rows) and then averaged over the
-# micro batches: they depend on which rows share a micro batch (TRL's split is random, ours groups rows by prompt or
-# length); compared only with one micro batch per generation while "split_metrics" is pending
-SPLIT_METRICS = ("entropy", "kl", "aux_loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                 "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
-
 
 
 def fixed_completions(seed: int, max_len: int, given: list[list[int]] | None = None):
@@ -253,9 +247,7 @@ def compare(ours: Run, ref: Run) -> None:
     scale = max(p.abs().max().item() for p in params.values())
     for name, p in ours.trainer.model.named_parameters():
         _close(p.detach(), params[name].detach(), scale, f"weight {name} after training")
-    one_split = ref.trainer.args.steps_per_generation == 1
-    skip = () if one_split or "split_metrics" not in PENDING else SPLIT_METRICS
-    compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history, skip)
+    compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history)
 
 
 def compare_metrics(got: list[dict], want: list[dict], skip: tuple[str, ...] = ()) -> None:
