@@ -10,7 +10,8 @@ Checked, for every optimizer step: the per-token log-probs (and entropies) of ev
 parameter's accumulated gradient, the weights after the last step (SGD) and every logged metric (the loss
 included). Tolerance: float32 round-off of different reduction orders and paddings, `REL` of the largest entry of
 the step's gradients / of the weights (a real difference is of order 1e-2 and more on these models); metrics
-relative `REL_METRIC`. A model refused by the engine's contract must fall back with a warning
+relative `REL_METRIC`. Engine rollouts: every sampled completion's sampling log-probs equal the loss forward's at
+the weights of its rollout (a prefix cache or weight copy kept across a weight change breaks it). A model refused by the engine's contract must fall back with a warning
 (`engine_fallback_reasons`), one refused by the shared-prefix contract with a warning (`shared_prefix_reason`), and
 both must still train exactly as `GRPOTrainer`.
 """

@@ -143,3 +143,20 @@ def test_micro_batches_sorted_and_trimmed():
     trimmed = trim_padding(one, multiple=4)
     assert trimmed["completion_ids"].shape[1] == 4 and trimmed["prompt_ids"].shape[1] == P
     assert all(c["completion_ids"].shape[1] == C for c in make_micro_batches(batch, 3, "grpo", trim=False))
+
+
+def test_split_metrics_warned_once_with_several_processes(tmp_path, tokenizer, dataset, model, monkeypatch):
+    """With several processes TRL's per-micro-batch metrics (`entropy`, `kl`, the clip ratios) are not composed over
+    TRL's micro batches (TRL's metric code reduces across processes in each loss call): one warning names them."""
+    from accelerate import Accelerator
+
+    args = cpu_args(tmp_path, steps_per_generation=2, gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                    max_steps=2)
+    trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
+                                  processing_class=tokenizer)
+    trainer._generate_single_turn = fixed_completions
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))  # (one process does the work)
+    with pytest.warns(UserWarning) as caught:
+        trainer.train()
+    split = [str(w.message) for w in caught if "over its own micro batches" in str(w.message)]
+    assert len(split) == 1 and "`entropy`" in split[0] and "`clip_ratio/low_min`" in split[0], split
