@@ -47,6 +47,10 @@ from .weight_events import WeightEvents
 # accelerate setups whose gradient sync the sub-batches' `no_sync` handles (DeepSpeed and FSDP count or shard
 # backward passes themselves: one pass per micro batch there)
 _SUB_BATCH_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+# the batch entries TRL's `_compute_loss` passes to the log-prob forward besides the ids and masks (row-aligned ones
+# only reach `_loss_pieces`: batches with images use TRL's split)
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 class InfiniteGRPOTrainer(GRPOTrainer):
@@ -406,7 +410,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         logps, entropies, aux = self._get_per_token_logps_and_entropies(
             model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), inputs["completion_ids"].size(1),
-            compute_entropy=True, compute_aux_loss=False,
+            compute_entropy=True, compute_aux_loss=False, **{k: inputs.get(k) for k in _FORWARD_KEYS},
         )
         subs = [permute_rows(inputs, index) for _, index in split]
         total = None
