@@ -182,7 +182,10 @@ def cases(draw) -> Case:
     if rollout == "engine":
         ours["rollout_reward_chunks"] = draw(st.sampled_from(["groups", "groups", "batch"]))
         if draw(st.booleans()):
-            rewards += (draw(st.sampled_from(["group_length_penalty", "group_relative_length", "group_rows_length"])),)
+            relative = ["group_length_penalty", "group_relative_length", "group_rows_length"]
+            if ours["rollout_reward_chunks"] == "batch":  # the trainer-wide setting alone keeps it whole
+                relative += ["batch_length_penalty", "batch_length_penalty"]
+            rewards += (draw(st.sampled_from(relative)),)
             args.pop("reward_weights", None)
 
     n_prompts = draw(st.integers(groups, groups + 3))
@@ -211,6 +214,11 @@ def group_length_penalty(completion_ids, **kwargs):
     lens = [len(ids) for ids in completion_ids]
     lo, hi = min(lens), max(lens)
     return [0.0 if hi == lo else 0.5 - (n - lo) / (hi - lo) for n in lens]
+
+
+def batch_length_penalty(completion_ids, **kwargs):
+    """`group_length_penalty` without the attribute: drawn only under `rollout_reward_chunks="batch"`."""
+    return group_length_penalty(completion_ids)
 
 
 group_length_penalty.reward_chunks = "batch"  # relative to the whole batch: scored on it (issue 40)
@@ -242,7 +250,7 @@ def group_rows_length(num_generations: int):
 
 
 REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": group_length_penalty,
-           "group_relative_length": group_relative_length}
+           "group_relative_length": group_relative_length, "batch_length_penalty": batch_length_penalty}
 
 
 def reward_funcs(case: Case) -> list:
