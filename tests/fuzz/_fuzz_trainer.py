@@ -16,16 +16,6 @@ PENDING = {
     # (GPT-2 learned positions, OPT, dynamic / longrope RoPE, Llama 4 chunked attention) -- wt-trainer (merged; the
     # fuzzer still finds OPT / GPT-2 log-prob differences and a Llama 4 crash: see the issue-40 fuzzer report)
     "positions",
-    # TRL's per-micro-batch metrics (token means, min / max over rows, averaged over the micro batches: `entropy`,
-    # `kl`, the clip ratios, `aux_loss`, ...) depend on which rows share a micro batch; ours groups rows by prompt or
-    # length where the loss allows it (found by this fuzzer; not yet fixed or documented)
-    "split_metrics",
-    # Streamed reward chunks hold whole TRL groups, but two groups of the same prompt text (two dataset rows) reach a
-    # reward function that groups by prompt in separate calls; TRL's one call sees them together (found by this
-    # fuzzer's long profile; reward_chunks area): prompts drawn distinct with a group-relative reward until decided
-    "equal_prompt_groups",
-    # "Rollouts from stale weights": `rollout_kv_cache_release=False` across optimizer steps -- wt-cache
-    "stale_cache",
 }
 # `TRL_INFINITE_FUZZ_ENABLE=positions,split_metrics` fuzzes those pending draws too (to check a fix before merging it)
 PENDING -= set(filter(None, os.environ.get("TRL_INFINITE_FUZZ_ENABLE", "").split(",")))
@@ -129,7 +119,8 @@ def cases(draw) -> Case:
         num_generations=G,
         per_device_train_batch_size=G * groups // spg,
         steps_per_generation=spg,
-        gradient_accumulation_steps=spg * draw(st.sampled_from([1, 1, 2])),
+        # several optimizer steps per generation batch too (`gradient_accumulation_steps < steps_per_generation`)
+        gradient_accumulation_steps=draw(st.sampled_from([spg, spg, 2 * spg, 1])),
         num_iterations=draw(st.integers(1, 2)),
         max_completion_length=draw(st.integers(1, 10)),
         importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
@@ -172,8 +163,15 @@ def cases(draw) -> Case:
         args["top_k"] = draw(st.sampled_from([0, 5]))
         args["top_p"] = draw(st.sampled_from([1.0, 0.8]))
         args["repetition_penalty"] = draw(st.sampled_from([1.0, 1.3]))
-        if enabled("stale_cache"):
-            ours["rollout_kv_cache_release"] = draw(st.booleans())
+        # "Rollouts from stale weights": the pool and its prefix cache kept across rollouts and optimizer steps,
+        # under an optimizer whose step bumps no version counter (`adamw_torch_fused`; a large epsilon keeps Adam's
+        # update a smooth function of the gradient, so round-off does not flip signs); checked by comparing the
+        # engine's sampling log-probs with the loss forward's at the rollout's weights (`_fuzz_trainer_run.py`)
+        ours["rollout_kv_cache_release"] = draw(st.booleans())
+        if not ours["rollout_kv_cache_release"]:
+            ours["rollout_kv_cache_reuse_across_calls"] = draw(st.booleans())
+            if draw(st.booleans()):
+                args.update(optim="adamw_torch_fused", adam_epsilon=1.0)
     rewards = ("token_sum",)
     if draw(st.booleans()):
         rewards += ("length",)
@@ -181,14 +179,19 @@ def cases(draw) -> Case:
             args["multi_objective_aggregation"] = "normalize_then_sum"
         if draw(st.booleans()):
             args["reward_weights"] = [1.0, draw(st.sampled_from([0.5, -2.0]))]
-    if rollout == "engine" and draw(st.booleans()):
-        rewards += (draw(st.sampled_from(["group_length_penalty", "group_relative_length"])),)
-        args.pop("reward_weights", None)
+    if rollout == "engine":
+        ours["rollout_reward_chunks"] = draw(st.sampled_from(["groups", "groups", "batch"]))
+        if draw(st.booleans()):
+            relative = ["group_length_penalty", "group_relative_length", "group_rows_length"]
+            if ours["rollout_reward_chunks"] == "batch":  # the trainer-wide setting alone keeps it whole
+                relative += ["batch_length_penalty", "batch_length_penalty"]
+            rewards += (draw(st.sampled_from(relative)),)
+            args.pop("reward_weights", None)
 
     n_prompts = draw(st.integers(groups, groups + 3))
     prompts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12))) for _ in range(n_prompts)]
-    if "group_relative_length" in rewards and "equal_prompt_groups" in PENDING:
-        prompts = [f"{p} {i}" for i, p in enumerate(prompts)]  # distinct texts
+    if draw(st.booleans()):  # two dataset rows with the same prompt text: two TRL groups
+        prompts.append(prompts[0])
     return Case(
         family=name, model_overrides=overrides, args=args, ours=ours, prompts=prompts,
         completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
@@ -213,16 +216,44 @@ def group_length_penalty(completion_ids, **kwargs):
     return [0.0 if hi == lo else 0.5 - (n - lo) / (hi - lo) for n in lens]
 
 
+def batch_length_penalty(completion_ids, **kwargs):
+    """`group_length_penalty` without the attribute: drawn only under `rollout_reward_chunks="batch"`."""
+    return group_length_penalty(completion_ids)
+
+
 group_length_penalty.reward_chunks = "batch"  # relative to the whole batch: scored on it (issue 40)
 
 
 def group_relative_length(completion_ids, prompts, **kwargs):
-    """Relative to the completions of the same prompt: needs whole groups (streamed chunks hold whole groups)."""
+    """Relative to the completions of the same prompt text: two dataset rows with the same prompt (two TRL groups)
+    are one set here, which only the whole batch holds (streamed chunks hold whole TRL groups): declared below."""
     by_prompt: dict = {}
     for p, ids in zip(prompts, completion_ids):
         by_prompt.setdefault(str(p), []).append(len(ids))
     return [len(ids) - sum(by_prompt[str(p)]) / len(by_prompt[str(p)]) for p, ids in zip(prompts, completion_ids)]
 
 
+group_relative_length.reward_chunks = "batch"  # groups by prompt text (docs/trainer.md, "reward chunks")
+
+
+def group_rows_length(num_generations: int):
+    """Relative to the completions of the same TRL group (each run of `num_generations` rows of the call, as in
+    TRL's call and in every streamed chunk, which holds whole groups in row order): streamed."""
+
+    def group_rows_length(completion_ids, **kwargs):
+        lens = [len(ids) for ids in completion_ids]
+        G = num_generations
+        means = [sum(lens[i - i % G:i - i % G + G]) / G for i in range(len(lens))]
+        return [n - m for n, m in zip(lens, means)]
+
+    return group_rows_length
+
+
 REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": group_length_penalty,
-           "group_relative_length": group_relative_length}
+           "group_relative_length": group_relative_length, "batch_length_penalty": batch_length_penalty}
+
+
+def reward_funcs(case: Case) -> list:
+    """The case's reward functions (`group_rows_length` made for its group size)."""
+    G = case.args["num_generations"]
+    return [group_rows_length(G) if r == "group_rows_length" else REWARDS[r] for r in case.rewards]

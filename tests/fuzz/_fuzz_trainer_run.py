@@ -10,7 +10,8 @@ Checked, for every optimizer step: the per-token log-probs (and entropies) of ev
 parameter's accumulated gradient, the weights after the last step (SGD) and every logged metric (the loss
 included). Tolerance: float32 round-off of different reduction orders and paddings, `REL` of the largest entry of
 the step's gradients / of the weights (a real difference is of order 1e-2 and more on these models); metrics
-relative `REL_METRIC`. A model refused by the engine's contract must fall back with a warning
+relative `REL_METRIC`. Engine rollouts: every sampled completion's sampling log-probs equal the loss forward's at
+the weights of its rollout (a prefix cache or weight copy kept across a weight change breaks it). A model refused by the engine's contract must fall back with a warning
 (`engine_fallback_reasons`), one refused by the shared-prefix contract with a warning (`shared_prefix_reason`), and
 both must still train exactly as `GRPOTrainer`.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import torch
-from _fuzz_trainer import EOS, FAMILIES, PENDING, REWARDS, Case
+from _fuzz_trainer import EOS, FAMILIES, Case, reward_funcs
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -38,12 +39,6 @@ REL = 3e-4  # of the largest entry (gradients of a step, weights)
 REL_METRIC = 1e-3  # metrics: relative, plus `ABS_METRIC`
 ABS_METRIC = 1e-5
 TIMING_KEYS = ("runtime", "per_second", "total_flos", "step_time", "train_loss")  # wall-clock metrics
-# TRL's metrics computed per micro batch (a token mean, or a min / max over its rows) and then averaged over the
-# micro batches: they depend on which rows share a micro batch (TRL's split is random, ours groups rows by prompt or
-# length); compared only with one micro batch per generation while "split_metrics" is pending
-SPLIT_METRICS = ("entropy", "kl", "aux_loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                 "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean")
-
 
 
 def fixed_completions(seed: int, max_len: int, given: list[list[int]] | None = None):
@@ -120,8 +115,8 @@ def build_model(case: Case, tmp: Path) -> torch.nn.Module:
 def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     ours = cls is InfiniteGRPOTrainer
     kw = dict(output_dir=str(tmp / cls.__name__), use_cpu=True, bf16=False, report_to="none", optim="sgd",
-              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-              **case.args)
+              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    kw.update(case.args)  # `optim` included
     args = InfiniteGRPOConfig(**kw, **case.ours) if ours else GRPOConfig(**kw)
     peft_config = None
     if case.peft:
@@ -133,7 +128,7 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(case.model_seed)  # the adapters' initial weights
-        trainer = cls(model=model, reward_funcs=[REWARDS[r] for r in case.rewards], args=args,
+        trainer = cls(model=model, reward_funcs=reward_funcs(case), args=args,
                       train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
                       peft_config=peft_config, callbacks=[capture])
         logps: dict = {}
@@ -156,6 +151,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, generate)
     else:
         recorded: list = []
+        sampled: list = []  # (optimizer steps done, prompt ids, (completions, sampling log-probs)) per rollout
         depth = [0]  # a refused model re-enters `_generate_single_turn` on its fallback: record the outer call
         original = InfiniteGRPOTrainer._generate_single_turn
 
@@ -167,6 +163,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
                 depth[0] -= 1
             if depth[0] == 0:  # with the global RNG after it (TRL's `generate` fallback samples from it)
                 recorded.append((out, torch.get_rng_state()))
+                sampled.append((self.state.global_step, args[0], out))
             return out
 
         def replay(*args, **kwargs):
@@ -181,6 +178,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         finally:
             InfiniteGRPOTrainer._generate_single_turn = original
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, replay)
+        check_sampling_logps(sampled, ours)
     check_contracts(case, ours)
     compare(ours, ref)
 
@@ -196,6 +194,27 @@ def check_contracts(case: Case, ours: Run) -> None:
     if case.ours["shared_prefix_training"] and trainer.shared_prefix is None:
         assert trainer.shared_prefix_reason, "shared-prefix forward off without a reason"
         assert any("instead of the shared-prefix forward" in w for w in ours.warnings), ours.warnings
+
+
+def check_sampling_logps(sampled: list, ours: Run) -> None:
+    """The engine sampled from the weights it was given: each completion's sampling log-probs (TRL's convention,
+    `log_softmax(logits / T)` of the sampled token) equal the loss forward's log-probs of the row in the optimizer
+    step of its rollout (every row's first loss forward runs before the next optimizer step in the drawn configs). A
+    prefix cache or weight copy kept from earlier weights breaks it."""
+    checked = 0
+    for step, prompt_ids, (completions, logps) in sampled:
+        if logps is None:  # TRL's own generation (a refused model)
+            continue
+        for prompt, ids, lp in zip(prompt_ids, completions, logps):
+            seen = ours.logps.get((step, tuple(prompt), tuple(ids)))
+            if seen is None:  # masked entirely (a truncated completion under `mask_truncated_completions`)
+                continue
+            want = seen[0]
+            got = torch.tensor(lp, dtype=want.dtype)
+            _close(got, want, max(1.0, want.abs().max().item()),
+                   f"sampling log-probs of the rollout at step {step}, row {tuple(prompt)} -> {tuple(ids)}")
+            checked += 1
+    assert checked or not ours.logps or all(s[2][1] is None for s in sampled), "no sampled row was checked"
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:
@@ -229,9 +248,7 @@ def compare(ours: Run, ref: Run) -> None:
     scale = max(p.abs().max().item() for p in params.values())
     for name, p in ours.trainer.model.named_parameters():
         _close(p.detach(), params[name].detach(), scale, f"weight {name} after training")
-    one_split = ref.trainer.args.steps_per_generation == 1
-    skip = () if one_split or "split_metrics" not in PENDING else SPLIT_METRICS
-    compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history, skip)
+    compare_metrics(ours.trainer.state.log_history, ref.trainer.state.log_history)
 
 
 def compare_metrics(got: list[dict], want: list[dict], skip: tuple[str, ...] = ()) -> None:

@@ -9,10 +9,15 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
 2. The metrics of a micro batch without unmasked tokens, cut into slices by `backward_token_budget`, merged to NaN
    (logged None) where `GRPOTrainer` logs 0.0.
 3. One-column completions cut into slices: the slices' masked means merged by tokens where TRL's value is a row mean.
+4. Several micro batches per generation (`steps_per_generation=2`): TRL's per-micro-batch metrics (`entropy`, `kl`,
+   the clip ratios) were computed over our micro batches (rows grouped by prompt or length), not TRL's random split.
+5. Several optimizer steps per generation (`gradient_accumulation_steps < steps_per_generation`): each step trained
+   on our micro batch (rows grouped by prompt or length) instead of TRL's rows of that step: other gradients.
 """
 
 from __future__ import annotations
 
+import pytest
 from _fuzz_trainer import EOS, Case
 from _fuzz_trainer_run import run_case
 from _models import tiny_tokenizer
@@ -56,4 +61,34 @@ def test_metrics_of_a_one_column_micro_batch_cut_into_slices(tmp_path):
                 ours={"shared_prefix_training": False, "backward_token_budget": 8},
                 prompts=["0", "0 0"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
                 completions=[[EOS], [5], [6], [EOS]])
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+SPLIT = dict(ARGS, num_generations=4, per_device_train_batch_size=4, steps_per_generation=2, beta=0.04,
+             max_completion_length=6, epsilon=0.05)
+MIXED = [[5, 6, 7, 8, 9, 10], [11, EOS], [12, 13, 14, EOS], [15], [16, 17, 18, 19, 20, 21], [22, 23, EOS], [24],
+         [25, 26, 27, 28, 29, EOS]]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prefix", "padded"])
+def test_metrics_over_trls_micro_batches(tmp_path, shared):
+    """4. Two micro batches per generation and optimizer step, completions of mixed lengths: `entropy` and `kl` were
+    means over our micro batches (grouped by prompt / by length) instead of TRL's random split."""
+    args = {**SPLIT, "gradient_accumulation_steps": 2, "max_steps": 2}
+    case = Case(family="qwen3", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": shared, "backward_token_budget": None},
+                prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=MIXED)
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prefix", "padded"])
+def test_optimizer_steps_inside_a_generation_get_trls_rows(tmp_path, shared):
+    """5. `gradient_accumulation_steps=1` with `steps_per_generation=2`: each optimizer step trained on one of our
+    micro batches, not on TRL's rows for that step (gradients off)."""
+    args = {**SPLIT, "gradient_accumulation_steps": 1, "max_steps": 2}
+    case = Case(family="qwen3", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": shared, "backward_token_budget": None},
+                prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=MIXED)
     run_case(case, tmp_path, tiny_tokenizer())

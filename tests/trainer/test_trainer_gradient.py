@@ -143,3 +143,51 @@ def test_micro_batches_sorted_and_trimmed():
     trimmed = trim_padding(one, multiple=4)
     assert trimmed["completion_ids"].shape[1] == 4 and trimmed["prompt_ids"].shape[1] == P
     assert all(c["completion_ids"].shape[1] == C for c in make_micro_batches(batch, 3, "grpo", trim=False))
+
+
+def test_split_metrics_warned_once_with_several_processes(tmp_path, tokenizer, dataset, model, monkeypatch):
+    """With several processes TRL's per-micro-batch metrics (`entropy`, `kl`, the clip ratios) are not composed over
+    TRL's micro batches (TRL's metric code reduces across processes in each loss call): one warning names them."""
+    from accelerate import Accelerator
+
+    args = cpu_args(tmp_path, steps_per_generation=2, gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                    max_steps=2)
+    trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=args, train_dataset=dataset,
+                                  processing_class=tokenizer)
+    trainer._generate_single_turn = fixed_completions
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))  # (one process does the work)
+    with pytest.warns(UserWarning) as caught:
+        trainer.train()
+    split = [str(w.message) for w in caught if "over its own micro batches" in str(w.message)]
+    assert len(split) == 1 and "`entropy`" in split[0] and "`clip_ratio/low_min`" in split[0], split
+
+
+@pytest.mark.parametrize("by_group", [False, True], ids=["by_length", "by_group"])
+def test_micro_batches_draw_trls_permutation_and_tag_its_split(by_group):
+    """Every split draws exactly TRL's `shuffle_sequence_dict` permutation (the generator is left as TRL leaves it),
+    and each row carries its micro batch in TRL's split (`TRL_SET_KEY`), over which the metrics are composed."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    from trl_infinite.trainer.backprop import TRL_SET_KEY
+
+    B, P, C = 8, 3, 6
+    lengths = [5, 1, 3, 6, 2, 4, 6, 1]
+    batch = {
+        "prompt_ids": torch.arange(B * P).view(B, P) // (2 * P) if by_group else torch.arange(B * P).view(B, P),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.arange(B * C).view(B, C),
+        "completion_mask": torch.tensor([[1] * n + [0] * (C - n) for n in lengths]),
+        "advantages": torch.arange(B, dtype=torch.float),
+    }
+    torch.manual_seed(3)
+    ours = make_micro_batches(batch, 2, "grpo", by_group=by_group, tag_trl_sets=True)
+    after_ours = torch.random.get_rng_state()
+    torch.manual_seed(3)
+    trl = split_tensor_dict(shuffle_sequence_dict(batch), 2)
+    assert torch.equal(after_ours, torch.random.get_rng_state())
+    trl_set = {int(a): t for t, chunk in enumerate(trl) for a in chunk["advantages"]}
+    tagged = {int(a): int(s) for chunk in ours for a, s in zip(chunk["advantages"], chunk[TRL_SET_KEY])}
+    assert tagged == trl_set
+    if by_group:  # whole groups per micro batch still
+        for chunk in ours:
+            assert torch.unique(chunk["prompt_ids"], dim=0).shape[0] == 2

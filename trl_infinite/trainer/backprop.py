@@ -9,11 +9,15 @@ frequencies depend on the longest position (`dynamic`, `longrope`) keeps every c
   holds whole groups and encodes each prompt once; padding does not matter there (the rows are packed);
 - otherwise by completion length, so a micro batch pads little.
 For every loss whose normaliser does not depend on the split (`grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`,
-`vespo`) the accumulated gradient is unchanged. `bnpo` averages tokens per micro batch, and the entropy bonus,
-`top_entropy_quantile < 1` and the MoE auxiliary loss depend on which rows share a micro batch: with those
-(`trl_split=True`) the split is TRL's own (`shuffle_sequence_dict` then `split_tensor_dict`: one `torch.randperm`
-of the rows from the global generator, consecutive equal slices), so the micro batches hold TRL's rows; only the
-padding is trimmed, which does not change them.
+`vespo`) the accumulated gradient is unchanged, as long as every optimizer step holds whole passes over the
+generation batch (the trainer passes `trl_split=True` otherwise). `bnpo` averages tokens per micro batch, and the
+entropy bonus, `top_entropy_quantile < 1` and the MoE auxiliary loss depend on which rows share a micro batch: with
+those (`trl_split=True`) the split is TRL's own (`shuffle_sequence_dict` then `split_tensor_dict`: one
+`torch.randperm` of the rows from the global generator, consecutive equal slices), so the micro batches hold TRL's
+rows; only the padding is trimmed, which does not change them. Every split draws exactly TRL's `torch.randperm` and
+nothing else (the group and micro-batch orders of the other splits derive from it), so the global generator leaves
+the split as it leaves TRL's. TRL's metrics are per micro batch: `tag_trl_sets=True` marks each row with its micro
+batch in TRL's split (`TRL_SET_KEY`), over which the trainer composes them (`trl_sets.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 
 SPLIT_INVARIANT_LOSSES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+TRL_SET_KEY = "trl_micro_batch"  # [B] int64: the row's micro batch in TRL's split (`make_micro_batches`)
 
 # [B, C] tensors aligned with the completion (right padded)
 _COMPLETION_KEYS = (
@@ -34,20 +39,19 @@ _COMPLETION_KEYS = (
 _FULL_KEYS = ("token_type_ids", "mm_token_type_ids")  # [B, P + C]
 
 
-def group_order(batch: dict) -> torch.Tensor:
-    """Row permutation keeping the rows of each prompt together (in their order), prompts in random order."""
+def group_order(batch: dict, position: torch.Tensor) -> torch.Tensor:
+    """Row permutation keeping the rows of each prompt together (in their order), prompts in random order: each
+    group's rank is its first row's place in `position` (a random permutation's inverse: TRL's shuffle)."""
     ids = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1).cpu()
     _, group = torch.unique(ids, dim=0, return_inverse=True)
-    rank = torch.randperm(int(group.max()) + 1)[group]  # a random position per group
-    return torch.argsort(rank * group.numel() + torch.arange(group.numel()))
+    n = group.numel()
+    first = torch.full((int(group.max()) + 1,), n, dtype=torch.long).scatter_reduce(0, group, position, "amin")
+    return torch.argsort(first[group] * n + torch.arange(n))
 
 
-def length_order(batch: dict, sort_by_length: bool) -> torch.Tensor:
-    """Row permutation: by completion length (similar lengths share a micro batch), or random like TRL."""
-    mask = batch["completion_mask"]
-    if not sort_by_length:
-        return torch.randperm(mask.size(0))
-    lengths = mask.sum(dim=1).cpu()
+def length_order(batch: dict) -> torch.Tensor:
+    """Row permutation by completion length, longest first (similar lengths share a micro batch)."""
+    lengths = batch["completion_mask"].sum(dim=1).cpu()
     return torch.argsort(lengths, descending=True, stable=True)
 
 
@@ -108,17 +112,29 @@ def trim_padding(batch: dict, multiple: int | None = None) -> dict:
 
 
 def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: int | None = None,
-                       by_group: bool = False, trl_split: bool = False, trim: bool = True) -> list[dict]:
+                       by_group: bool = False, trl_split: bool = False, trim: bool = True,
+                       tag_trl_sets: bool = False) -> list[dict]:
     """The generation batch as `num_chunks` micro batches of equal row count, each padded to its own longest
     completion (`trim=False`: every column kept).
 
     Split-invariant losses get micro batches of whole groups (`by_group`, for the shared-prefix forward) or of
     similar lengths, in random order (so, with several optimizer steps per generation, no step sees only short or
     only long completions); `bnpo`, unknown losses and split-dependent loss terms (`trl_split`) get TRL's split.
+    `tag_trl_sets`: with several micro batches not TRL's, each row carries its micro batch in TRL's split
+    (`TRL_SET_KEY`).
     """
+    rows = batch["completion_mask"].size(0)
+    trl_perm = torch.randperm(rows)  # TRL's `shuffle_sequence_dict`: the generator's only draw, whatever the split
     sort = loss_type in SPLIT_INVARIANT_LOSSES and not trl_split
-    order = group_order(batch) if sort and by_group else length_order(batch, sort)
+    if not sort:
+        order = trl_perm
+    else:
+        position = torch.empty_like(trl_perm)
+        position[trl_perm] = torch.arange(rows)  # each row's place in TRL's shuffled order
+        order = group_order(batch, position) if by_group else length_order(batch)
+        if tag_trl_sets and num_chunks > 1:
+            batch = {**batch, TRL_SET_KEY: position // (rows // num_chunks)}
     chunks = split_rows(permute_rows(batch, order), num_chunks)
-    if sort:
-        chunks = [chunks[i] for i in torch.randperm(num_chunks).tolist()]
+    if sort:  # a random order of the micro batches, from the same draw
+        chunks = [chunks[i] for i in torch.argsort(trl_perm[:num_chunks]).tolist()]
     return [trim_padding(c, multiple) if trim else c for c in chunks]

@@ -118,24 +118,30 @@ def merge_metrics(metrics: dict, before: dict[str, int], tokens: list[float], ro
     (see the module docstring). `before`: each list's length before the slices ran; `token_level`: TRL's
     `importance_sampling_level == "token"` (its clip ratios are then token means, else row means); `one_column`: the
     micro batch's completions are one column wide, which TRL's metrics read as one value per row (row means)."""
-    if one_column:
-        tokens = rows
     k = len(tokens)
     for key, values in metrics.items():
         new = values[before.get(key, 0):]
         if len(new) != k:
             continue  # not appended once per slice (e.g. logged outside the loss): left as it is
-        if key in MIN_METRICS or key in MAX_METRICS:
-            finite = [v for v in new if not math.isnan(v)]
-            merged = (min(finite) if key in MIN_METRICS else max(finite)) if finite else float("nan")
-        elif key in TOKEN_METRICS or (key in RATIO_METRICS and token_level):
-            merged = _weighted(new, tokens)
-        elif key in ROW_METRICS or key in RATIO_METRICS:
-            merged = _weighted(new, rows)
-        else:
-            merged = sum(new) / k
+        merged = merge_value(key, new, tokens, rows, token_level, one_column)
         del values[before.get(key, 0):]
         values.append(merged)
+
+
+def merge_value(key: str, values: list[float], tokens: list[float], rows: list[float], token_level: bool,
+                one_column: bool = False) -> float:
+    """TRL's value of metric `key` over the union of some pieces of rows, from each piece's value and its token and
+    row counts (`merge_metrics`)."""
+    if one_column:
+        tokens = rows
+    if key in MIN_METRICS or key in MAX_METRICS:
+        finite = [v for v in values if not math.isnan(v)]
+        return (min(finite) if key in MIN_METRICS else max(finite)) if finite else float("nan")
+    if key in TOKEN_METRICS or (key in RATIO_METRICS and token_level):
+        return _weighted(values, tokens)
+    if key in ROW_METRICS or key in RATIO_METRICS:
+        return _weighted(values, rows)
+    return sum(values) / len(values)
 
 
 def _weighted(values: list[float], weights: list[float]) -> float:

@@ -19,7 +19,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_b
 
 from ..engine import RolloutEngine, host_memory
 from ..engine.support import UnsupportedModelError, check_structure
-from .backprop import make_micro_batches
+from .backprop import SPLIT_INVARIANT_LOSSES, TRL_SET_KEY, make_micro_batches, permute_rows
 from .cached_rewards import streamed_funcs, wrap_reward_funcs
 from .config import engine_config_from_args
 from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
@@ -41,11 +41,16 @@ from .sub_batches import (
     slice_rows,
     split_inputs,
 )
+from .trl_sets import TrlSetMetrics, piece_rows, split_metrics_warning
 from .weight_events import WeightEvents
 
 # accelerate setups whose gradient sync the sub-batches' `no_sync` handles (DeepSpeed and FSDP count or shard
 # backward passes themselves: one pass per micro batch there)
 _SUB_BATCH_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+# the batch entries TRL's `_compute_loss` passes to the log-prob forward besides the ids and masks (row-aligned ones
+# only reach `_loss_pieces`: batches with images use TRL's split)
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 class InfiniteGRPOTrainer(GRPOTrainer):
@@ -95,6 +100,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             self._warn_fallback(stacklevel=3)
         self.host_tensor_cache = self._install_host_tensor_cache()
         self.length_dependent_rope = length_dependent_rope(self.model)  # micro batches keep every column then
+        self._trl_sets: TrlSetMetrics | None = None  # TRL's per-micro-batch metrics of the pass (`trl_sets.py`)
+        self._forward_rows: tuple | None = None  # a forward's rows for TRL's next loss call on them (`trl_sets.py`)
         self.shared_prefix: SharedPrefixForward | None = None
         self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
         if getattr(self.args, "shared_prefix_training", False):
@@ -331,7 +338,12 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's per-token log-probs and entropies of the completion tokens ([B, C], zero where masked), from the
         shared-prefix forward when it is installed on this model and the batch is text in TRL's layout; TRL's
-        own forward otherwise (multimodal inputs, the MoE auxiliary loss, the reference model)."""
+        own forward otherwise (multimodal inputs, the MoE auxiliary loss, the reference model). Inside
+        `_loss_pieces`: the rows of the micro batch's forward that TRL's loss call is given."""
+        rows = getattr(self, "_forward_rows", None)
+        if rows is not None:
+            self._forward_rows = None
+            return rows
         forward = self.shared_prefix
         layout = None
         if (forward is not None and not compute_aux_loss and all(v is None for v in multimodal.values())
@@ -350,17 +362,24 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         """TRL's loss; a training micro batch above `backward_token_budget` tokens runs as slices whose weighted
         losses are backpropagated one by one (all but the last here, under `no_sync`; the last by the caller), so
         the gradient and the returned value are the micro batch's and its activations never coexist
-        (`sub_batches.py`)."""
+        (`sub_batches.py`); a micro batch holding rows of several of TRL's micro batches runs TRL's loss on each
+        one's rows, so its metrics are composed over TRL's micro batches (`trl_sets.py`)."""
+        sets = inputs.get(TRL_SET_KEY)
+        if sets is not None:
+            inputs = {k: v for k, v in inputs.items() if k != TRL_SET_KEY}
         slices = None if return_outputs else self._loss_slices(inputs)
-        if slices is None:
+        if slices is None and (sets is None or return_outputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        slices = slices or [slice(0, inputs["completion_mask"].shape[0])]
         parts = split_inputs(inputs, slices)
         weights = loss_weights(self.loss_type, parts)
         metrics = self._metrics["train"]
         before = {key: len(values) for key, values in metrics.items()}
+        pieces: list[tuple[int | None, dict]] = []  # (TRL micro batch, inputs) of every TRL loss call, in order
         done = None
-        for i, (part, weight) in enumerate(zip(parts, weights)):
-            loss = super().compute_loss(model, part, num_items_in_batch=num_items_in_batch) * weight
+        for i, (part, weight, rows) in enumerate(zip(parts, weights, slices)):
+            loss = self._loss_pieces(model, part, None if sets is None else sets[rows], num_items_in_batch,
+                                     pieces) * weight
             if i == len(parts) - 1:
                 break
             with self.accelerator.no_sync(model) if self.accelerator.sync_gradients else nullcontext():
@@ -368,11 +387,39 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             if self.host_tensor_cache:  # the next slice's sizes differ: give this slice's freed blocks back
                 host_memory.trim()
             done = loss.detach() if done is None else done + loss.detach()
-        tokens, rows = metric_weights(parts, lambda t: self.accelerator.reduce(t.to(self.accelerator.device),
-                                                                                reduction="sum").cpu())
-        merge_metrics(metrics, before, tokens, rows, token_level=self.importance_sampling_level == "token",
-                      one_column=inputs["completion_mask"].shape[1] == 1)
-        return loss + done
+        tokens, rows = metric_weights([p for _, p in pieces],
+                                      lambda t: self.accelerator.reduce(t.to(self.accelerator.device),
+                                                                        reduction="sum").cpu())
+        one_column = inputs["completion_mask"].shape[1] == 1
+        token_level = self.importance_sampling_level == "token"
+        if sets is None or self._trl_sets is None:
+            merge_metrics(metrics, before, tokens, rows, token_level=token_level, one_column=one_column)
+        else:
+            self._trl_sets.add(metrics, before, [s for s, _ in pieces], tokens, rows, int(sets.numel()))
+            self._trl_sets.flush(metrics, one_column)
+        return loss if done is None else loss + done
+
+    def _loss_pieces(self, model, inputs: dict, sets: torch.Tensor | None, num_items_in_batch, pieces: list):
+        """TRL's loss of `inputs` (rows of one micro batch): one call, or, where its rows belong to several of TRL's
+        micro batches (`sets`), one forward and one TRL loss call on each one's rows, weighted to sum to the loss
+        of `inputs` (`trl_sets.py`). Appends (TRL micro batch, inputs) of each call to `pieces`."""
+        split = None if sets is None else piece_rows(sets)
+        if split is None or len(split) == 1:
+            pieces.append((None if split is None else split[0][0], inputs))
+            return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        logps, entropies, aux = self._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), inputs["completion_ids"].size(1),
+            compute_entropy=True, compute_aux_loss=False, **{k: inputs.get(k) for k in _FORWARD_KEYS},
+        )
+        subs = [permute_rows(inputs, index) for _, index in split]
+        total = None
+        for (s, index), sub, weight in zip(split, subs, loss_weights(self.loss_type, subs)):
+            self._forward_rows = (logps[index], entropies[index], aux)
+            loss = super().compute_loss(model, sub, num_items_in_batch=num_items_in_batch) * weight
+            total = loss if total is None else total + loss
+            pieces.append((s, sub))
+        return total
 
     def _loss_slices(self, inputs: dict) -> list[slice] | None:
         """The row slices of a training micro batch over `backward_token_budget` tokens (None: one pass)."""
@@ -394,6 +441,17 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             parts = int(self.accelerator.gather(torch.tensor([parts], device=self.accelerator.device)).max())
             parts = min(parts, costs.numel())
         return slice_rows(costs, parts) if parts > 1 else None
+
+    @staticmethod
+    def _row_aligned(batch: dict, rows: int) -> bool:
+        """Every tensor of the generation batch has one entry per row (not so: images' pixel values)."""
+        flat = unsplit_pixel_values_by_grid(batch)
+        return all(not (isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] != rows) for v in flat.values())
+
+    def _warn_split_metrics(self) -> None:
+        if not getattr(self, "_split_metrics_warned", False):
+            self._split_metrics_warned = True
+            warnings.warn(split_metrics_warning(self.accelerator.num_processes), UserWarning, stacklevel=3)
 
     def _policy_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """The causal LM under `model`'s wrappers (DDP / FSDP / DeepSpeed, then PEFT)."""
@@ -417,8 +475,19 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
-            chunks = make_micro_batches(batch, self.args.steps_per_generation, self.loss_type, self.pad_to_multiple_of,
-                                        by_group=self.shared_prefix is not None, trl_split=self.split_dependent_loss,
-                                        trim=self.length_dependent_rope is None)
+            spg = self.args.steps_per_generation
+            rows = batch["completion_mask"].shape[0]
+            # TRL's split where a loss term depends on it, where an optimizer step holds only part of a pass over the
+            # generation batch (its rows are then TRL's step's rows), or with entries not aligned with the rows
+            trl_split = (self.split_dependent_loss or self.args.gradient_accumulation_steps % spg != 0
+                         or not self._row_aligned(batch, rows))
+            tag = spg > 1 and self.accelerator.num_processes == 1
+            chunks = make_micro_batches(batch, spg, self.loss_type, self.pad_to_multiple_of,
+                                        by_group=self.shared_prefix is not None, trl_split=trl_split,
+                                        trim=self.length_dependent_rope is None, tag_trl_sets=tag)
+            if any(TRL_SET_KEY in c for c in chunks):
+                self._trl_sets = TrlSetMetrics(spg, rows, self.importance_sampling_level == "token")
+            elif spg > 1 and not trl_split and self.loss_type in SPLIT_INVARIANT_LOSSES:
+                self._warn_split_metrics()
             self._buffered_inputs = [unsplit_pixel_values_by_grid(c) for c in chunks]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
