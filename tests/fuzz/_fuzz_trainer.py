@@ -12,10 +12,6 @@ from hypothesis import strategies as st
 
 # Draws gated until the helper fixing the case merges (issue 40); the coordinator removes an entry to fuzz it.
 PENDING = {
-    # "Length-dependent RoPE" / Llama 4 chunks: absolute or length-dependent positions in the training forward
-    # (GPT-2 learned positions, OPT, dynamic / longrope RoPE, Llama 4 chunked attention) -- wt-trainer (merged; the
-    # fuzzer still finds OPT / GPT-2 log-prob differences and a Llama 4 crash: see the issue-40 fuzzer report)
-    "positions",
     # TRL's per-micro-batch metrics (token means, min / max over rows, averaged over the micro batches: `entropy`,
     # `kl`, the clip ratios, `aux_loss`, ...) depend on which rows share a micro batch; ours groups rows by prompt or
     # length where the loss allows it (found by this fuzzer; not yet fixed or documented)
@@ -27,7 +23,7 @@ PENDING = {
     # "Rollouts from stale weights": `rollout_kv_cache_release=False` across optimizer steps -- wt-cache
     "stale_cache",
 }
-# `TRL_INFINITE_FUZZ_ENABLE=positions,split_metrics` fuzzes those pending draws too (to check a fix before merging it)
+# `TRL_INFINITE_FUZZ_ENABLE=split_metrics,stale_cache` fuzzes those pending draws too (to check a fix before merging it)
 PENDING -= set(filter(None, os.environ.get("TRL_INFINITE_FUZZ_ENABLE", "").split(",")))
 
 LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -67,14 +63,15 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("granite"),
     "qwen3_moe": Family("qwen3_moe", moe=True),
     "mixtral": Family("mixtral", moe=True),
-    # positions that depend on the padding or the length
-    "gpt2": Family("gpt2", gate="positions"),
-    "opt": Family("opt", gate="positions"),
+    # positions that depend on the padding (GPT-2: learned, by column; OPT: from the mask); both with dropout on by
+    # default (TRL's micro batches and forward then: `trainer/stochastic.py`) or off (drawn)
+    "gpt2": Family("gpt2"),
+    "opt": Family("opt"),
     # length-dependent RoPE: refused by the engine's contract (`engine/rope_length.py`), trained exactly
-    "llama-dynamic": Family("llama", _rope("dynamic", factor=2.0), gate="positions", refused="engine"),
+    "llama-dynamic": Family("llama", _rope("dynamic", factor=2.0), refused="engine"),
     "phi3-longrope": Family("phi3", {"rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-        "original_max_position_embeddings": 16}}, gate="positions", refused="engine"),
+        "original_max_position_embeddings": 16}}, refused="engine"),
     # not drawn: `llama4_text` (chunked attention). TRL 1.16's own `GRPOTrainer` cannot train it: its fused LM head
     # (`trl.trainer.utils.add_fused_lm_head`) runs `model.base_model`, which for `Llama4ForCausalLM`
     # (`base_model_prefix="language_model"`, backbone at `.model`) is the causal LM itself, so every loss forward
