@@ -78,3 +78,16 @@ def test_trainer_with_dropout_runs_trls_micro_batches(tmp_path, tokenizer, datas
               "completion_ids": torch.ones(2, 8, dtype=torch.long), "completion_mask": torch.ones(2, 8),
               "advantages": torch.zeros(2)}
     assert trainer._loss_slices(inputs) is None  # over the budget, but not sliced
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_probe_leaves_a_dynamic_rope_as_it_was():
+    """Dynamic NTK RoPE keeps the frequencies of the longest forward it has seen (above `max_position_embeddings`):
+    the probe's forward must not leave them grown, or every later training forward rotates differently from
+    `GRPOTrainer`'s (gradients 6.5e-5 of the largest entry off in `test_positions.py`)."""
+    model = build_tiny_model("llama", max_position_embeddings=8,
+                             rope_parameters=dict(rope_type="dynamic", factor=8.0, rope_theta=10000.0))
+    rotary = model.model.rotary_emb
+    before = rotary.inv_freq.clone(), rotary.max_seq_len_cached
+    assert random_training_forward(model) is None
+    assert torch.equal(rotary.inv_freq, before[0]) and rotary.max_seq_len_cached == before[1]

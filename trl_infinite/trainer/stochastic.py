@@ -16,7 +16,8 @@ rollout engine is unaffected (it samples in eval mode, like `generate`). `random
   probability (`*dropout*`, `*pdrop*`, `*jitter*`, `layerdrop`) above 0 (functional dropout, router jitter);
 - else a probe: two training-mode forwards of the same batch under different seeds must agree bit for bit.
 The probe runs under `torch.random.fork_rng`: the global generator (whose state the dropout masks follow) is left as
-`GRPOTrainer` would have it.
+`GRPOTrainer` would have it; and it gives every module its buffers and plain attributes back (a dynamic-NTK RoPE
+keeps the frequencies of its longest forward so far, which later forwards use).
 """
 
 from __future__ import annotations
@@ -42,11 +43,35 @@ def _scan(model: torch.nn.Module) -> str | None:
     return None
 
 
+_STATE = (bool, int, float, str, type(None), torch.Tensor)
+
+
+@torch.no_grad()
+def _snapshot(model: torch.nn.Module) -> list:
+    """Each module's buffers (the objects and a copy of their values) and its public plain / tensor attributes: a
+    forward may change them (dynamic NTK RoPE grows `inv_freq` and `max_seq_len_cached` past its longest position,
+    and later forwards depend on it), and the probe must leave the model as `GRPOTrainer` would see it."""
+    return [(m, dict(m._buffers), {k: v.clone() for k, v in m._buffers.items() if v is not None},
+             {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _STATE)})
+            for m in model.modules()]
+
+
+@torch.no_grad()
+def _restore(snapshot: list) -> None:
+    for m, buffers, values, attrs in snapshot:
+        for k, v in values.items():
+            buffers[k].copy_(v)
+        m._buffers.clear()
+        m._buffers.update(buffers)
+        m.__dict__.update(attrs)
+
+
 @torch.no_grad()
 def _probe(model: torch.nn.Module) -> str | None:
     device = next(model.parameters()).device
     was_training = model.training
     devices = [device] if device.type == "cuda" else []
+    state = _snapshot(model)
     try:
         ids = probe_tokens(model_vocab_size(model), probe_length(model), device).repeat(2, 1)
         model.train()
@@ -59,6 +84,7 @@ def _probe(model: torch.nn.Module) -> str | None:
         return None
     finally:
         model.train(was_training)
+        _restore(state)
     return None if torch.equal(outs[0], outs[1]) else "two training forwards of the same batch differ"
 
 
