@@ -68,7 +68,9 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family("gpt2"),
     "opt": Family("opt"),
     # length-dependent RoPE: refused by the engine's contract (`engine/rope_length.py`), trained exactly
-    "llama-dynamic": Family("llama", _rope("dynamic", factor=2.0), refused="engine"),
+    # (`max_position_embeddings` 16: the widths of TRL's batches cross it, where dynamic NTK starts scaling)
+    "llama-dynamic": Family("llama", _rope("dynamic", factor=2.0) | {"max_position_embeddings": 16},
+                            refused="engine"),
     "phi3-longrope": Family("phi3", {"rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
         "original_max_position_embeddings": 16}}, refused="engine"),

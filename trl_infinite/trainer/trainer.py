@@ -57,7 +57,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
       `GenerationConfig` `generate` would use (every sampling key, through transformers' own logits processors).
     - Reward functions score completions as they finish, between decode steps on the calling thread (or on a
       background thread with `rollout_reward_executor="thread"`); TRL's own `_calculate_rewards` then reads them.
-    - The backward pass runs on micro batches of similar-length completions, each padded to its own longest.
+    - The backward pass runs on micro batches of similar-length completions, each padded to its own longest
+      (TRL's own micro batches and forward where the training forward is random, e.g. dropout: `stochastic.py`).
     With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...)
     or PEFT prompt learning, generation is TRL's own (one warning says why); the last point still applies.
     """
