@@ -13,6 +13,10 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
    the clip ratios) were computed over our micro batches (rows grouped by prompt or length), not TRL's random split.
 5. Several optimizer steps per generation (`gradient_accumulation_steps < steps_per_generation`): each step trained
    on our micro batch (rows grouped by prompt or length) instead of TRL's rows of that step: other gradients.
+6. Dropout in the training forward (TRL's default `disable_dropout=False`; OPT's functional `dropout`, GPT-2's
+   `*_pdrop` modules): our micro batches (rows in another order, trimmed padding) drew other dropout masks than
+   `GRPOTrainer`'s split, so log-probs differed by the dropout itself (0.0325 nats on OPT, 0.04 on GPT-2); the
+   trainer now runs TRL's micro batches and forward for a random training forward (`trainer/stochastic.py`).
 """
 
 from __future__ import annotations
@@ -91,4 +95,27 @@ def test_optimizer_steps_inside_a_generation_get_trls_rows(tmp_path, shared):
                 ours={"shared_prefix_training": shared, "backward_token_budget": None},
                 prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
                 completions=MIXED)
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_functional_dropout_runs_trls_micro_batches(tmp_path):
+    """6. OPT with its `dropout=0.1` (functional, out of reach of `disable_dropout`), one prompt of one token, two
+    one-token completions: our length-ordered micro batch held TRL's two rows in the other order, so each row got
+    the other's dropout mask (log-prob 0.0325 nats off)."""
+    args = {**ARGS, "per_device_train_batch_size": 2, "max_completion_length": 1}
+    case = Case(family="opt", model_overrides={"num_hidden_layers": 1, "dropout": 0.1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": None},
+                prompts=["0"], completion_seed=0, rollout="fixed", rewards=("token_sum",))
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_dropout_modules_with_several_micro_batches_and_shared_prefix(tmp_path):
+    """6. GPT-2 with its default `*_pdrop=0.1`, two micro batches per generation and `shared_prefix_training=True`:
+    the shared-prefix probe drew from the global generator, and our micro batches held other rows than TRL's
+    split (log-prob 0.04 nats off)."""
+    args = {**ARGS, "per_device_train_batch_size": 2, "steps_per_generation": 2, "gradient_accumulation_steps": 2}
+    case = Case(family="gpt2", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": True, "backward_token_budget": None},
+                prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
+                completions=[[5, 6, 7, EOS], [9], [13, 14, 15, 16], [17, 18]])
     run_case(case, tmp_path, tiny_tokenizer())

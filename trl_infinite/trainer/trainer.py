@@ -29,6 +29,7 @@ from .positions import length_dependent_rope
 from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups, turn_metrics
 from .scoring import ChunkScorer
 from .shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
+from .stochastic import random_training_forward, warning_text
 from .streaming import StreamingRewards, StreamSlot
 from .sub_batches import (
     ROW_KEYS,
@@ -61,7 +62,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
       `GenerationConfig` `generate` would use (every sampling key, through transformers' own logits processors).
     - Reward functions score completions as they finish, between decode steps on the calling thread (or on a
       background thread with `rollout_reward_executor="thread"`); TRL's own `_calculate_rewards` then reads them.
-    - The backward pass runs on micro batches of similar-length completions, each padded to its own longest.
+    - The backward pass runs on micro batches of similar-length completions, each padded to its own longest
+      (TRL's own micro batches and forward where the training forward is random, e.g. dropout: `stochastic.py`).
     With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...)
     or PEFT prompt learning, generation is TRL's own (one warning says why); the last point still applies.
     """
@@ -104,8 +106,16 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         self._forward_rows: tuple | None = None  # a forward's rows for TRL's next loss call on them (`trl_sets.py`)
         self.shared_prefix: SharedPrefixForward | None = None
         self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
-        if getattr(self.args, "shared_prefix_training", False):
-            self._install_shared_prefix()
+        # the probes' forwards leave the global generator as `GRPOTrainer.__init__` left it (dropout masks, TRL's
+        # random split and its `generate` draw from it)
+        device = self.accelerator.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # why the training forward is random (dropout, router noise), if it is: TRL's micro batches then
+            self.random_forward = random_training_forward(self.model)
+            if self.random_forward is not None:
+                warnings.warn(warning_text(self.random_forward), UserWarning, stacklevel=2)
+            if getattr(self.args, "shared_prefix_training", False):
+                self._install_shared_prefix()
 
     def _install_host_tensor_cache(self) -> bool:
         """Training on CPU: large CPU tensors from the caching allocator of `engine/host_memory.py`
@@ -121,6 +131,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         target = self.model.get_base_model() if is_peft_model(self.model) else self.model
         head = HeadSpec.from_model(target, self.temperature, self.args.cast_lm_head_to_fp32)
         try:
+            if self.random_forward is not None:
+                raise SharedPrefixUnsupported(
+                    f"its training forward is random ({self.random_forward}): the packed forward would draw other "
+                    "dropout masks than TRL's padded forward; set `disable_dropout=True` or turn the noise off")
             self.shared_prefix = SharedPrefixForward.install(target, head, autocast=self.accelerator.autocast,
                                                              outer=self.model)
         except SharedPrefixUnsupported as err:
@@ -424,7 +438,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
     def _loss_slices(self, inputs: dict) -> list[slice] | None:
         """The row slices of a training micro batch over `backward_token_budget` tokens (None: one pass)."""
         budget = getattr(self.args, "backward_token_budget", None)
-        if (budget is None or not self.model.training or not torch.is_grad_enabled()
+        if (budget is None or self.random_forward is not None or not self.model.training or not torch.is_grad_enabled()
                 or self.loss_type not in SPLITTABLE_LOSSES or self.split_dependent_loss
                 or self.accelerator.distributed_type not in _SUB_BATCH_DISTRIBUTED):
             return None
@@ -470,7 +484,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         """TRL's buffering of one generation batch over `steps_per_generation` steps, but split into micro batches
         of whole groups (shared-prefix forward) or of similar-length completions (TRL's random split where a loss
         term depends on it), each padded only to its own longest completion (`backprop.py`)."""
-        if not self.model.training:
+        if not self.model.training or self.random_forward is not None:  # (dropout: TRL's masks need TRL's split)
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
