@@ -8,9 +8,11 @@ is the prefill's last position, rows 1.. the decoded tokens. The variants of the
 `triton` (as the engine runs it: autotuning on where CUDA), `triton-fixed` (the first tile candidate, no autotuning),
 `triton-fp32-dots` (the dot products in fp32 'ieee' whatever the pool dtype), `triton-1split` (one KV split in the
 prompt and own-token kernels). `own-cache` is the model's own KV-cached decode (what `generate` runs) against the same
-forward: its rounding noise. The last rows (16-bit dtypes, CUDA or Triton's interpreter) compare the kernel alone
-with the float32 torch reference on random data, one group of 32 or 64 samples (rows beyond one tile of the prompt
-kernel), in the same variants.
+forward: its rounding noise; on CUDA, `own-<kernel>` is the model's own forward with `scaled_dot_product_attention`
+held to one kernel (math, efficient, cuDNN, flash) against its default forward (how far correct kernels differ on
+this model), and `torch-<kernel>` the engine's torch backend held to that kernel. The last rows (16-bit dtypes, CUDA or Triton's interpreter) compare the kernel alone
+with the float32 torch reference on random data, one group of 32 samples (rows beyond one tile of the prompt kernel), autotuned
+and fixed.
 
     python benchmarks/backend_exactness.py --models qwen3 llama --dtypes float32 bfloat16 --json OUT/exact.json
 """
@@ -35,14 +37,23 @@ from trl_infinite.engine.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.support import probe_length, verdict
 from trl_infinite.testing.tiny_configs import build_tiny_model
 
-VARIANTS = ("torch", "triton", "triton-fixed", "triton-fp32-dots", "triton-1split")
+VARIANTS = ("torch", "torch-math", "torch-efficient", "torch-cudnn", "torch-flash", "triton", "triton-fixed",
+            "triton-fp32-dots", "triton-1split")
+SDPA = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION"}
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Patch the Triton backend's module state for one variant; restore it after."""
+    """Patch the backend's module state for one variant (`torch-<kernel>`: the torch backend with
+    `scaled_dot_product_attention` held to that kernel); restore it after."""
     if name == "torch":
         yield "torch"
+        return
+    if name.startswith("torch-"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, SDPA[name.removeprefix("torch-")])):
+            yield "torch"
         return
     from trl_infinite.engine.attention import triton_backend as tb
     from trl_infinite.engine.attention import triton_tiles as tiles
@@ -66,8 +77,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def row_errors(model: torch.nn.Module, backend: str, ids: torch.Tensor) -> list[float]:
-    """The eager path of `exactness_problem`, with each row's error kept."""
+def own_kernel_errors(model: torch.nn.Module, ids: torch.Tensor, ref: torch.Tensor, kernel: str) -> list[float]:
+    """The model's own forward with `scaled_dot_product_attention` held to `kernel`, against its default forward
+    (`ref`): how far two correct attention kernels put this model's logits apart."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    p = ids.shape[1] - E.DECODE_TOKENS
+    with sdpa_kernel(getattr(SDPBackend, SDPA[kernel])):
+        out = model(input_ids=ids, use_cache=False).logits[0, p - 1:]
+    return [_rel(out[i], ref[i]) for i in range(out.shape[0])]
+
+
+@torch.no_grad()
+def row_errors(model: torch.nn.Module, backend: str, ids: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    """The eager path of `exactness_problem`, with each row's error kept (`ref`: the model's own logits of the last
+    `DECODE_TOKENS + 1` positions, computed outside the variant's patches)."""
     support = verdict(model, record_attention_calls(model, ids))
     tokens = ids[0].tolist()
     n, p, block = len(tokens), len(tokens) - E.DECODE_TOKENS, 4
@@ -79,7 +103,6 @@ def row_errors(model: torch.nn.Module, backend: str, ids: torch.Tensor) -> list[
     rows = [runner.forward([Segment(p, prompt_blocks, [], 0, tokens[:p])], torch.tensor([p - 1]))[0]]
     for j in range(E.DECODE_TOKENS):
         rows.append(runner.forward([Segment(p, prompt_blocks, own, p + j, [tokens[p + j]])], torch.tensor([0]))[0])
-    ref = model(input_ids=ids, use_cache=False).logits[0, p - 1:]
     return [_rel(row, ref[i]) for i, row in enumerate(rows)]
 
 
@@ -108,14 +131,18 @@ def kernel_errors(device: torch.device, dtype: torch.dtype, samples: int, prompt
     return (got.float() - ref).abs().max().item()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen3", "llama"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     device = pick_device(args.device)
     header = run_header(device, "python " + " ".join(sys.argv))
     rowcols = [f"row{i}" for i in range(E.DECODE_TOKENS + 1)]
@@ -132,19 +159,32 @@ def main() -> None:
             ids = probe_tokens(model_vocab_size(model), probe_length(model), device)
             own = E.own_cache_error(model, ids, E.DECODE_TOKENS)
             add(part="engine", model=name, dtype=dname, variant="own-cache", max=own)
+            with torch.no_grad():
+                ref = model(input_ids=ids, use_cache=False).logits[0, ids.shape[1] - E.DECODE_TOKENS - 1:]
+            if device.type == "cuda":
+                for kernel in SDPA:
+                    try:
+                        errs = own_kernel_errors(model, ids, ref, kernel)
+                        add(part="model's own", model=name, dtype=dname, variant=f"own-{kernel}", max=max(errs),
+                            **{c: e for c, e in zip(rowcols, errs)})
+                    except Exception as exc:  # noqa: BLE001 (a kernel that does not take these inputs)
+                        add(part="model's own", model=name, dtype=dname, variant=f"own-{kernel}",
+                            note=f"{type(exc).__name__}: {exc}"[:160])
             for var in args.variants:
+                if var.startswith("torch-") and device.type != "cuda":
+                    continue
                 try:
                     with variant(var) as backend:
-                        errs = row_errors(model, backend, ids)
+                        errs = row_errors(model, backend, ids, ref)
                     add(part="engine", model=name, dtype=dname, variant=var, max=max(errs),
                         **{c: e for c, e in zip(rowcols, errs)})
                 except Exception as exc:  # noqa: BLE001 (a diagnostic: report and go on)
                     add(part="engine", model=name, dtype=dname, variant=var, note=f"{type(exc).__name__}: {exc}"[:160])
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         for dname in [d for d in args.dtypes if d != "float32"]:  # (the kernel's 16-bit path)
-            for samples, prompt, heads, kv, hd in ((32, 100, 16, 8, 128), (64, 300, 32, 8, 128)):
+            for samples, prompt, heads, kv, hd in ((32, 100, 16, 8, 128),):
                 shape = f"{samples}x{prompt} {heads}/{kv}x{hd}"
-                for var in [v for v in args.variants if v != "torch"]:
+                for var in [v for v in args.variants if v in ("triton", "triton-fixed")]:
                     try:
                         with variant(var):
                             err = kernel_errors(device, getattr(torch, dname), samples, prompt, heads, kv, hd)

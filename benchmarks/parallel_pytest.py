@@ -153,7 +153,8 @@ def main(argv=None) -> int:
         write(a.json, header, rows, {"collected": ids})
         return 0
     with tempfile.TemporaryDirectory(prefix="parallel_pytest_") as tmp:
-        rows = run_shards(shards, Path(tmp), a.cwd, a.timeout)
+        rows = run_shards(shards, Path(tmp), a.cwd,
+                          None if a.timeout is None else a.timeout - (time.perf_counter() - t0))  # (collection counted)
     total = {k: sum(r[k] for r in rows) for k in ("tests", "passed", "failed", "errors", "skipped")}
     bad = total["failed"] + total["errors"] > 0 or total["passed"] == 0 or (a.no_skips and total["skipped"] > 0)
     header["result"] = ("FAILED: " if bad else "ok: ") + ", ".join(f"{v} {k}" for k, v in total.items()) + \

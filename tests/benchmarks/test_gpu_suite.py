@@ -83,7 +83,7 @@ def test_every_command_parses(tmp_path, flags):
     assert grpo[grpo.index("--trainers") + 1] == "infinite"  # ours first: a time limit cuts the last trainer
 
 
-ONE_ORDER = ["preflight", "graphs", "decode_step", "rollout", "grpo_step", "kernels"]
+ONE_ORDER = ["preflight", "backends", "graphs", "decode_step", "rollout", "grpo_step", "kernels"]
 CPU_ONLY_TESTS = {"tests/engine/test_triton_compile.py"}  # sm_90 compile without a GPU; inductor on the CPU
 
 
@@ -262,7 +262,7 @@ def test_one_call_folds_each_part_as_it_ends(tmp_path):
     assert heads == ONE_ORDER and "## rollout (FAILED rc=5," in tables and "| decode_step |" in tables
     log = (out / "partone.log").read_text()
     assert "rollout          FAILED rc=5" in log and "kernels          ok" in log
-    assert "gpu_suite part one: 1 of 6 tables FAILED" in log and "part one FAILED" in done.stderr
+    assert "gpu_suite part one: 1 of 7 tables FAILED" in log and "part one FAILED" in done.stderr
 
 
 def test_one_call_stops_after_a_failed_preflight(tmp_path):
@@ -274,7 +274,7 @@ def test_one_call_stops_after_a_failed_preflight(tmp_path):
     assert done.returncode == 1
     assert not (tmp_path / "ran").exists()  # no table command ran
     log = (tmp_path / "out" / "partone.log").read_text()
-    assert "preflight        FAILED rc=1" in log and log.count("NOT RUN (preflight failed)") == 5
+    assert "preflight        FAILED rc=1" in log and log.count("NOT RUN (preflight failed)") == 6
     assert "preflight FAILED (exit 1)" in log and "=== graphs" not in log
     assert "## preflight (FAILED rc=1" in (tmp_path / "out" / "tables.md").read_text()
 
@@ -286,7 +286,7 @@ def test_one_call_goes_on_when_only_some_tables_miss_a_module(tmp_path):
     assert done.returncode == 1
     log = (tmp_path / "out" / "partone.log").read_text()
     assert "preflight        FAILED rc=3" in log and "NOT RUN" not in log and "kernels          ok" in log
-    assert "1 of 6 tables FAILED" in log
+    assert "1 of 7 tables FAILED" in log
 
 
 def test_one_call_limits_shrink_to_the_budget(tmp_path):
