@@ -27,6 +27,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------- device and run facts
+def quiet_offline_cpu() -> None:
+    """The setting of the CPU support benchmarks: offline, one torch thread, no warnings or transformers logging."""
+    import warnings
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+
+
 def pick_device(name: str | None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 

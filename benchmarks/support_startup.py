@@ -15,11 +15,13 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import transformers  # noqa: E402
+from common import quiet_offline_cpu  # noqa: E402
 
 SETTINGS = ("float32", "bf16 weights", "bf16 autocast")
 
@@ -47,14 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-smollm2", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    import transformers
-
+    quiet_offline_cpu()
     from trl_infinite.testing.tiny_configs import build_tiny_model
 
-    transformers.logging.set_verbosity_error()
     models = [("tiny llama (2 layers, hidden 32)", lambda: build_tiny_model("llama"))]
     if not args.no_smollm2:
         from trl_infinite.testing.offline_models import load_smollm2

@@ -19,11 +19,13 @@ import os
 import re
 import sys
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import transformers  # noqa: E402
+from common import quiet_offline_cpu  # noqa: E402
 
 SETTINGS = ("float32", "bf16 weights", "bf16 autocast", "bf16 replica")
 REASONS = (  # (pattern of the refusal message, the few words shown), first match wins
@@ -81,15 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", nargs="*")
     parser.add_argument("--no-replica", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    import transformers
-
+    quiet_offline_cpu()
     from trl_infinite.testing.model_matrix import causal_lm_types, prompts
     from trl_infinite.testing.tiny_configs import build_tiny_model
 
-    transformers.logging.set_verbosity_error()
     settings = SETTINGS[:3] if args.no_replica else SETTINGS
     rows, unbuilt, start = [], [], time.perf_counter()
     for model_type in args.types or causal_lm_types():

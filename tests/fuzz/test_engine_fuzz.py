@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from _fuzz_edges import bad_inputs, check_refused_before_the_call
 from _fuzz_engine import cases, draft_cases, run_case, run_draft_case, world
 from _models import tiny_model
@@ -40,15 +39,8 @@ def _profile(request) -> settings:
     return profile(request, "fuzz")
 
 
-pytestmark = pytest.mark.filterwarnings("ignore:Unfeasible length constraints")  # generate, on min_new_tokens
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.filterwarnings("ignore:Unfeasible length constraints"),  # generate, on min_new_tokens
+              pytest.mark.usefixtures("one_thread")]
 
 
 def test_engine_is_lossless_under_every_configuration(request):

@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 from _fuzz_trainer import cases
 from _fuzz_trainer_run import run_case
 from _models import tiny_tokenizer
@@ -33,15 +32,8 @@ def _profile(request) -> settings:
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # the contracts' warnings are checked by the case itself
     pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.usefixtures("one_thread"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_trainer_matches_grpo_trainer_under_every_configuration(request):
