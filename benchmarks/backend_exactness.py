@@ -1,5 +1,5 @@
 """Which attention backend setting reproduces the model, row by row: a diagnostic of the support contract's
-exactness check (`trl_infinite.engine.exactness`) on one device.
+exactness check (`trl_infinite.engine.model.exactness`) on one device.
 
 For each tiny random model x weights dtype x backend variant, the contract's probe is run the engine's eager way
 (the prompt prefilled into a small pool, `DECODE_TOKENS` tokens decoded one per forward) and the relative logit error
@@ -29,12 +29,12 @@ from common import Table, pick_device, run_header, save_json, write_results
 
 from trl_infinite.engine import exactness as E
 from trl_infinite.engine.attention import LayerAttention, Segment, build_metadata, torch_paged_attention, with_context
-from trl_infinite.engine.config import EngineConfig
-from trl_infinite.engine.inputs import model_vocab_size
-from trl_infinite.engine.kv_pool import KVCachePool
-from trl_infinite.engine.model_runner import ModelRunner
-from trl_infinite.engine.probe import probe_tokens, record_attention_calls
-from trl_infinite.engine.support import probe_length, verdict
+from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
+from trl_infinite.engine.model.support import probe_length, verdict
+from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.model_runner import ModelRunner
 from trl_infinite.testing.tiny_configs import build_tiny_model
 
 VARIANTS = ("torch", "torch-math", "torch-efficient", "torch-cudnn", "torch-flash", "triton", "triton-fixed",

@@ -56,7 +56,7 @@ import torch
 from common import Table, median_ci, pick_device, run_header, write_results
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.sampler import Sampler, row_keys, uniform64
+from trl_infinite.engine.runner.sampler import Sampler, row_keys, uniform64
 from trl_infinite.sim import SimConfig
 from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats, simulate_speculative
 from trl_infinite.sim.traces import TraceRecord

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from common import Workload
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.batch import ScheduledBatch
+from trl_infinite.engine.sched.batch import ScheduledBatch
 
 
 @dataclass

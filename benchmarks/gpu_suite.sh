@@ -9,7 +9,7 @@
 #                   (benchmarks/preflight.py); when it fails the call stops there, with the summary
 #   (b) backends    which attention path reproduces the model in bf16 / fp32, row by row, and the model's own forward
 #                   under each SDPA kernel (benchmarks/backend_exactness.py)
-#   (c) graphs      CUDA graphs on vs off, greedy, token-identical (tests/engine/test_cuda_graphs_gpu.py and
+#   (c) graphs      CUDA graphs on vs off, greedy, token-identical (tests/engine/decode/test_cuda_graphs_gpu.py and
 #                   test_static_decode.py's on/off test as parallel pytest processes; a skipped test fails)
 #   (d) decode_step the decode step against the roofline at 32 and 128 rows
 #   (e) rollout     the engine against TRL's generate, 1 prompt x G=32 (the engine row first)
@@ -17,7 +17,7 @@
 #   (g) kernels     the Triton kernels against the torch reference, autotuning off (TRL_INFINITE_TRITON_AUTOTUNE=0),
 #                   as parallel pytest processes
 # GPU_SUITE_SKIP="name ..." leaves parts out (e.g. those a previous call already measured).
-# No CPU-only test (Triton compile-for-sm_90, inductor on the CPU: tests/engine/test_triton_compile.py) runs here.
+# No CPU-only test (Triton compile-for-sm_90, inductor on the CPU: tests/engine/attention/test_triton_compile.py) runs here.
 # Each part's estimated H100 seconds and its limit are in ONE_PARTS below and printed by --plan (measured on an H100,
 # 2026-11-26: preflight 27 s, backends > 70 s, graphs > 70 s, grpo_step 140 s, kernels 78 s; the machine's start
 # took ~30 s of device time on top). The estimates sum to 447 s and the limits to 510 s (plus ~20 s of setup), under
@@ -229,8 +229,8 @@ partone() {
     bench backends "${LIMIT[backends]}" "$PY" benchmarks/backend_exactness.py --models qwen3 llama \
         --dtypes bfloat16 float32 --json "$OUT/backends.json"
     bench graphs "${LIMIT[graphs]}" "$PY" benchmarks/parallel_pytest.py --jobs "$JOBS_GRAPHS" --no-skips \
-        --timeout $((LIMIT[graphs] - 15)) "${TEST_MODE[@]}" --json "$OUT/graphs.json" tests/engine/test_cuda_graphs_gpu.py \
-        tests/engine/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical
+        --timeout $((LIMIT[graphs] - 15)) "${TEST_MODE[@]}" --json "$OUT/graphs.json" tests/engine/decode/test_cuda_graphs_gpu.py \
+        tests/engine/decode/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical
     bench decode_step "${LIMIT[decode_step]}" "$PY" benchmarks/decode_step.py --model "$MODEL" "${ONE_STEP_ARGS[@]}" \
         --json "$OUT/decode_step.json"
     bench rollout "${LIMIT[rollout]}" "$PY" benchmarks/rollout_bench.py --model "$MODEL" --num-prompts 1 \
@@ -242,15 +242,15 @@ partone() {
         --json "$OUT/grpo_step.json"
     bench kernels "${LIMIT[kernels]}" env TRL_INFINITE_TRITON_AUTOTUNE=0 "$PY" benchmarks/parallel_pytest.py \
         --jobs "$JOBS_KERNELS" --timeout $((LIMIT[kernels] - 15)) "${TEST_MODE[@]}" --json "$OUT/kernels.json" \
-        tests/engine/test_triton_attention.py
+        tests/engine/attention/test_triton_attention.py
 }
 
 part1() {
     local xdist=()
     if [ $DRY = 0 ] && "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
     bench kernels "${LIMITS[0]}" "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" "${PYTEST_ARGS[@]}" \
-        tests/engine/test_triton_attention.py tests/engine/test_static_decode.py tests/engine/test_cuda_graphs_gpu.py \
-        tests/engine/test_triton_compile.py
+        tests/engine/attention/test_triton_attention.py tests/engine/decode/test_static_decode.py tests/engine/decode/test_cuda_graphs_gpu.py \
+        tests/engine/attention/test_triton_compile.py
     bench decode_step "${LIMITS[1]}" "$PY" benchmarks/decode_step.py --model "$MODEL" "${STEP_ARGS[@]}" \
         --json "$OUT/decode_step.json"
     bench attention "${LIMITS[2]}" "$PY" benchmarks/attention_bench.py "${ATTN_ARGS[@]}" --json "$OUT/attention.json"

@@ -37,7 +37,7 @@ if "--backend" in sys.argv and "triton" in sys.argv[sys.argv.index("--backend"):
 from common import Table, pick_device, run_header, write_results  # noqa: E402
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from trl_infinite.engine.static_decode import StaticDecoder  # noqa: E402
+from trl_infinite.engine.decode.static import StaticDecoder  # noqa: E402
 from trl_infinite.testing.model_zoo import model_config  # noqa: E402
 
 aten = torch.ops.aten

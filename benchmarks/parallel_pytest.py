@@ -9,9 +9,9 @@ errors, skipped, seconds) and the JSON also every test's outcome and time. Exit 
 when nothing ran, or with `--no-skips` when any test was skipped (a GPU check that skips is a check that did not
 happen). `--collect-only`: collect and shard, run nothing (the suite's dry run).
 
-    python benchmarks/parallel_pytest.py --jobs 4 --json OUT/kernels.json tests/engine/test_triton_attention.py
+    python benchmarks/parallel_pytest.py --jobs 4 --json OUT/kernels.json tests/engine/attention/test_triton_attention.py
     python benchmarks/parallel_pytest.py --jobs 2 --no-skips --json OUT/graphs.json \
-        tests/engine/test_cuda_graphs_gpu.py "tests/engine/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical"
+        tests/engine/decode/test_cuda_graphs_gpu.py "tests/engine/decode/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical"
 """
 
 from __future__ import annotations

@@ -133,12 +133,12 @@ def check_graph(device) -> dict:
 
 
 def check_kv_addresses(device) -> dict:
-    """The KV pool's fixed addresses (`engine/kv_memory.py`; on CUDA the driver's virtual memory management through
+    """The KV pool's fixed addresses (`engine/runner/kv_memory.py`; on CUDA the driver's virtual memory management through
     ctypes): reserve, back, write, give back, back again; the tensors keep their address and read zeros anew. Not
     critical: where it fails the engine allocates the pool per call (graphs captured again per call, counted)."""
     import torch
 
-    from trl_infinite.engine.kv_memory import reserve_range
+    from trl_infinite.engine.runner.kv_memory import reserve_range
 
     mib = 1 << 20
     region = reserve_range([64 * mib, 8 * mib], device)

@@ -27,7 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from trl_infinite.engine.config import SAMPLING_MODES  # noqa: E402
+from trl_infinite.engine.config.engine_config import SAMPLING_MODES  # noqa: E402
 from trl_infinite.sim.traces import load_trace, lognormal_trace  # noqa: E402
 from trl_infinite.testing.shared_data import dataset_file  # noqa: E402
 

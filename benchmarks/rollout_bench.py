@@ -34,8 +34,8 @@ from common import (
 from engine_path import StepTimes, bucket_warmup, make_engine, roofline, run_engine, shares_prefix
 from trl_paths import grpo_generation_config, trl_continuous_batching, trl_generate
 
-from trl_infinite.engine.config import SAMPLING_MODES
-from trl_infinite.engine.registry import SCHEDULERS
+from trl_infinite.engine.config.engine_config import SAMPLING_MODES
+from trl_infinite.engine.config.registry import SCHEDULERS
 
 COLUMNS = ["model", "prompts", "G", "path", "mode", "scheduler", "graphs", "tokens", "seconds", "tok/s", "x_generate",
            "x_cb", "peak_GB", "pool_GB", "kv_peak_GB", "peak_used_GB", "decode_steps", "step_ms", "host_ms", "mean_batch",

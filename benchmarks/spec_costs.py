@@ -66,9 +66,9 @@ def split(stats: pstats.Stats) -> tuple[float, float, float]:
             suffix += outside
         elif path.endswith("spec_decode/step.py") and name == "run":
             run += cum
-        elif path.endswith("engine/static_decode.py") and name == "_run":
+        elif path.endswith("engine/decode/static.py") and name == "_run":
             static += cum
-        elif path.endswith("engine/model_runner.py") and name == "forward":
+        elif path.endswith("engine/runner/model_runner.py") and name == "forward":
             verify += from_step
     return suffix, verify, (run - static - verify if run else 0.0)
 

@@ -1,4 +1,4 @@
-"""Start-up cost of the support contract's float32 decision and length-dependent-RoPE probe (`engine/support.py`).
+"""Start-up cost of the support contract's float32 decision and length-dependent-RoPE probe (`engine/model/support.py`).
 
     python benchmarks/support_startup.py [--repeats 3] [--no-smollm2]
 

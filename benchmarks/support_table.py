@@ -6,7 +6,7 @@ For each model type of the installed transformers (`trl_infinite.testing.model_m
 the matrix's tiny random-weight float32 model and runs the support contract (`engine.support.check_support`, what
 building a `RolloutEngine` runs) four ways: float32; bf16 weights (`model.to(bfloat16)`); float32 weights under
 `torch.autocast("cpu", bfloat16)` (TRL's default `bf16=True`); and bf16 weights with the float32 copy disabled, so
-that the structural decision is made on the float32 replica built from the config (`engine/replica.py`, the path of
+that the structural decision is made on the float32 replica built from the config (`engine/model/replica.py`, the path of
 16-bit models on an accelerator or too large to copy; `--no-replica` leaves it out). It prints one row per model
 type (`exact`, or `refused: <reason in a few words>`), then the number of model types whose decision differs
 between the settings. Model types with no tiny model (its config, or its own forward, fails) are listed apart.
@@ -57,7 +57,7 @@ def short_reason(message: str) -> str:
 
 
 def decide(model, setting: str) -> str:
-    from trl_infinite.engine.support import check_support
+    from trl_infinite.engine.model.support import check_support
 
     if setting in ("bf16 weights", "bf16 replica"):
         model = model.to(torch.bfloat16)

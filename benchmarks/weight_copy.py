@@ -1,5 +1,5 @@
 """Decode step time of `RolloutEngine` on float32 weights under 16-bit autocast, with and without the 16-bit weight
-copy (`EngineConfig.weight_copy`, `engine/weight_copy.py`).
+copy (`EngineConfig.weight_copy`, `engine/runner/weight_copy.py`).
 
 Per mode ('off': every Linear casts its float32 weight at every forward; 'auto': the rollout runs on the copy) an engine
 is built under `torch.autocast(device, --autocast)` on a random-weight float32 model, then a warm-up call and the

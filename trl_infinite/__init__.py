@@ -1,29 +1,27 @@
 """trl-infinite: fast, memory-bounded GRPO rollouts for Hugging Face TRL."""
 
-from .engine import EngineConfig, KVCachePool, RolloutEngine, RolloutResult, RolloutStats, SamplingParams
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0.dev0"
 
-_TRAINER_NAMES = ("InfiniteGRPOConfig", "InfiniteGRPOTrainer")
+# imported on first use: the trainer pulls in `trl`, the engine torch; `trl_infinite.engine.sched` needs neither
+_EXPORTS = {
+    **dict.fromkeys(("EngineConfig", "KVCachePool", "RolloutEngine", "RolloutResult", "RolloutStats",
+                     "SamplingParams"), "trl_infinite.engine"),
+    **dict.fromkeys(("InfiniteGRPOConfig", "InfiniteGRPOTrainer"), "trl_infinite.trainer"),
+}
 
 
 def __getattr__(name: str):
-    # the trainer pulls in `trl`; the engine alone does not
-    if name in _TRAINER_NAMES:
-        from . import trainer
-
-        return getattr(trainer, name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'trl_infinite' has no attribute {name!r}")
 
 
-__all__ = [
-    "EngineConfig",
-    "InfiniteGRPOConfig",
-    "InfiniteGRPOTrainer",
-    "KVCachePool",
-    "RolloutEngine",
-    "RolloutResult",
-    "RolloutStats",
-    "SamplingParams",
-    "__version__",
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = ["__version__", *sorted(_EXPORTS)]

@@ -84,7 +84,7 @@ def test_every_command_parses(tmp_path, flags):
 
 
 ONE_ORDER = ["preflight", "backends", "graphs", "decode_step", "rollout", "grpo_step", "kernels"]
-CPU_ONLY_TESTS = {"tests/engine/test_triton_compile.py"}  # sm_90 compile without a GPU; inductor on the CPU
+CPU_ONLY_TESTS = {"tests/engine/attention/test_triton_compile.py"}  # sm_90 compile without a GPU; inductor on the CPU
 
 
 @pytest.mark.parametrize("flags", [(), ("--part", "one"), ("--part", "one", "--dry-run")],
@@ -121,13 +121,13 @@ def test_one_call_plan(tmp_path, flags):
         tests |= {t.split("::")[0] for t in getattr(args, "tests", [])}
         if name in ("graphs", "kernels"):
             assert args.collect_only == ("--dry-run" in flags) and args.no_skips == (name == "graphs")
-    assert tests == {"tests/engine/test_cuda_graphs_gpu.py", "tests/engine/test_static_decode.py",
-                     "tests/engine/test_triton_attention.py"}
+    assert tests == {"tests/engine/decode/test_cuda_graphs_gpu.py", "tests/engine/decode/test_static_decode.py",
+                     "tests/engine/attention/test_triton_attention.py"}
     assert not tests & CPU_ONLY_TESTS
     for _, argv in commands:  # a whole CPU-only file must not slip in through a node id either
         assert not any(a.split("::")[0] in CPU_ONLY_TESTS for a in argv)
     graphs = argvs["graphs"]
-    assert "tests/engine/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical" in graphs
+    assert "tests/engine/decode/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical" in graphs
 
 
 def test_bad_part_is_refused(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from _models import ARCHS, frequent_token, reference_greedy, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.config import SAMPLING_MODES
+from trl_infinite.engine.config.engine_config import SAMPLING_MODES
 
 G = 4
 MAX_NEW = 12

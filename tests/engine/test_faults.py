@@ -193,7 +193,7 @@ def test_non_finite_logits_raise_with_speculation(model):
 def test_a_model_whose_own_forward_is_nan_is_named_as_such():
     """NaN weights: the support check says the model's own forward produced NaN/inf (not that some layer keeps
     state), with an error that is not an `UnsupportedModelError` (the trainer must not fall back for good)."""
-    from trl_infinite.engine.support import UnsupportedModelError
+    from trl_infinite.engine.model.support import UnsupportedModelError
 
     model = tiny_model("qwen3")
     with torch.no_grad():

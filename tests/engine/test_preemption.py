@@ -8,8 +8,8 @@ import torch
 from _models import frequent_token, reference_greedy, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.block_manager import blocks_for
-from trl_infinite.engine.config import SAMPLING_MODES
+from trl_infinite.engine.config.engine_config import SAMPLING_MODES
+from trl_infinite.engine.sched.block_manager import blocks_for
 
 G = 4
 BLOCK = 4

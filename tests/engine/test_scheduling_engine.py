@@ -8,8 +8,8 @@ import pytest
 from _models import tiny_model
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
+from trl_infinite.engine.config.registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
 from trl_infinite.engine.executor import ModelExecutor
-from trl_infinite.engine.registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
 from trl_infinite.sim import SimConfig, simulate
 from trl_infinite.sim.traces import TraceRecord
 

@@ -23,10 +23,10 @@ from _models import tiny_model
 from hypothesis import strategies as st
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, RolloutResult, SamplingParams
-from trl_infinite.engine.block_manager import blocks_for
-from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
-from trl_infinite.engine.logits import GenerationProcessors
-from trl_infinite.engine.sampler import Sampler, row_keys, seen_mask, uniform64
+from trl_infinite.engine.config.logits import GenerationProcessors
+from trl_infinite.engine.decode.cpu_graphs import emulate_cuda_graphs
+from trl_infinite.engine.runner.sampler import Sampler, row_keys, seen_mask, uniform64
+from trl_infinite.engine.sched.block_manager import blocks_for
 from trl_infinite.engine.spec_decode import decoupled
 from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan
 from trl_infinite.testing.weight_routes import FAMILIES, ROUTES, SEEN, lora_model

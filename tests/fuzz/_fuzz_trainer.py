@@ -56,7 +56,7 @@ FAMILIES: dict[str, Family] = {
     # default (TRL's micro batches and forward then: `trainer/stochastic.py`) or off (drawn)
     "gpt2": Family("gpt2"),
     "opt": Family("opt"),
-    # length-dependent RoPE: refused by the engine's contract (`engine/rope_length.py`), trained exactly
+    # length-dependent RoPE: refused by the engine's contract (`engine/model/rope_length.py`), trained exactly
     # (`max_position_embeddings` 16: the widths of TRL's batches cross it, where dynamic NTK starts scaling)
     "llama-dynamic": Family("llama", _rope("dynamic", factor=2.0) | {"max_position_embeddings": 16},
                             refused="engine"),

@@ -26,7 +26,7 @@ def test_cli_table_on_a_trace(tmp_path, capsys):
 
 def test_cli_takes_every_engine_setting_by_its_flag(tmp_path, capsys):
     """The engine's settings are the CLI's `--<flag>` (the trainer's `rollout_<flag>`), none under another name."""
-    from trl_infinite.engine.sections import flags
+    from trl_infinite.engine.config.sections import flags
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trl_infinite.engine.config import EngineConfig
+from trl_infinite.engine.config.engine_config import EngineConfig
 from trl_infinite.engine.spec_decode.plan import StepTimes, plan, tgs_decoupled
 from trl_infinite.sim import SimConfig
 from trl_infinite.sim.speculative import SpecReplay, acceptance_from_stats, simulate_speculative

@@ -166,7 +166,7 @@ def test_micro_batches_hold_whole_groups(tmp_path, tokenizer, dataset):
 def test_kv_pool_is_free_during_the_backward(tmp_path, tokenizer, dataset, model):
     """The engine's KV pool is held during the rollout and released before the loss's backward runs; on CPU the
     host tensor cache is installed and keeps nothing from the rollout (trimmed after it)."""
-    from trl_infinite.engine import host_memory
+    from trl_infinite.engine.runner import host_memory
 
     trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, processing_class=tokenizer,
                                   args=cpu_args(tmp_path, max_steps=2, gradient_checkpointing=False),
@@ -318,7 +318,7 @@ def test_the_decision_is_the_same_in_every_dtype(case, dtype):
 @pytest.mark.parametrize("case", ["opt", "llama"])
 def test_decision_on_a_float32_replica_when_no_copy_fits(monkeypatch, case):
     """16-bit weights too large to copy: the decision is made on a float32 replica built from the config."""
-    from trl_infinite.engine import replica
+    from trl_infinite.engine.model import replica
 
     monkeypatch.setattr(replica, "FLOAT32_COPY_MAX_PARAMS", 0)
     make, exact = DECISIONS[case]
@@ -332,7 +332,7 @@ def test_decision_on_a_float32_replica_when_no_copy_fits(monkeypatch, case):
 def test_16bit_bound_is_derived_from_the_models_rounding_noise():
     """The run's own 16-bit check is held to 4 x the padded forward's bf16-vs-float32 distance, within 2 to 12
     units of bf16: not the old fixed 5e-2."""
-    from trl_infinite.engine.exactness import CAP_ULPS, FLOOR_ULPS
+    from trl_infinite.engine.model.exactness import CAP_ULPS, FLOOR_ULPS
     from trl_infinite.trainer.logprobs import HeadSpec
     from trl_infinite.trainer.prefix_probe import float32_decision
     from trl_infinite.trainer.shared_prefix import _structure

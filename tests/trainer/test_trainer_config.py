@@ -6,7 +6,7 @@ import pytest
 from trainer_helpers import cpu_args
 
 from trl_infinite.engine import EngineConfig
-from trl_infinite.engine.sections import flags
+from trl_infinite.engine.config.sections import flags
 from trl_infinite.trainer import InfiniteGRPOConfig, engine_config_from_args
 from trl_infinite.trainer.config import TRAINER_ONLY
 

@@ -137,7 +137,7 @@ def test_decode_graphs_are_captured_once_over_a_training_run(tmp_path, tokenizer
     """CUDA graphs (through the CPU capture emulation) over four training steps, the KV pool released after each
     rollout (the default): graphs outlive the release, so only the first rollouts capture
     (`rollout/graph_captures`), and the trained parameters keep their storage (no recapture after a step)."""
-    from trl_infinite.engine.graph_emulation import emulate_cuda_graphs
+    from trl_infinite.engine.decode.cpu_graphs import emulate_cuda_graphs
 
     with emulate_cuda_graphs() as emu:
         trainer = make_trainer(tmp_path, tokenizer, dataset, max_steps=4, rollout_cuda_graphs=True,

@@ -16,15 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .block_manager import BlockAllocator, blocks_for
-from .config import EngineConfig
-from .loop import Executor, StepTimer, drive
-from .outputs import RolloutStats
-from .registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
-from .sampling_modes import SamplingMode
-from .scheduler import Scheduler
-from .scheduling.predictors import LengthPredictor
-from .sequence import Group, Sequence
+from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.config.registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
+from trl_infinite.engine.loop import Executor, StepTimer, drive
+from trl_infinite.engine.outputs import RolloutStats
+from trl_infinite.engine.sched.block_manager import BlockAllocator, blocks_for
+from trl_infinite.engine.sched.predictors.base import LengthPredictor
+from trl_infinite.engine.sched.scheduler import Scheduler
+from trl_infinite.engine.sched.sequence import Group, Sequence
+from trl_infinite.engine.sched.slot_modes import SamplingMode
 
 
 def sampling_mode(config: EngineConfig) -> SamplingMode:

@@ -8,30 +8,30 @@ from contextlib import nullcontext
 
 import torch
 
-from .autocast import autocast_dtype, describe
-from .batch import NonFiniteLogitsError
-from .block_manager import blocks_for, pool_size
-from .call import RolloutCall, call_blocks, sampling_mode
-from .config import EngineConfig, SamplingParams
-from .cuda_graphs import graphs_available
-from .eval_mode import eval_mode
-from .executor import ModelExecutor, PrefixCapture, StepContext
-from .generation_checks import check_generation_ids
-from .history import PromptHistory, remember_visits
-from .inputs import check_eos, check_prompts, model_vocab_size
-from .kv_pool import KVCachePool
-from .logits import GenerationProcessors
-from .loop import StepTimer
-from .model_guard import model_guard
-from .model_runner import ModelRunner
-from .outputs import RolloutResult, RolloutStats
-from .sampler import Sampler
-from .scheduling.predictors import build_predictor
-from .sequence import Group, Sequence, make_group
-from .static_decode import StaticDecoder, static_step_bytes
-from .support import check_support
-from .weight_copy import build_weight_copy
-from .weight_state import WeightTracker
+from trl_infinite.engine.call import RolloutCall, call_blocks, sampling_mode
+from trl_infinite.engine.config.engine_config import EngineConfig, SamplingParams
+from trl_infinite.engine.config.generation_checks import check_generation_ids
+from trl_infinite.engine.config.inputs import check_eos, check_prompts, model_vocab_size
+from trl_infinite.engine.config.logits import GenerationProcessors
+from trl_infinite.engine.decode.cuda_graphs import graphs_available
+from trl_infinite.engine.decode.static import StaticDecoder, static_step_bytes
+from trl_infinite.engine.executor import ModelExecutor, PrefixCapture, StepContext
+from trl_infinite.engine.loop import StepTimer
+from trl_infinite.engine.model.guard import model_guard
+from trl_infinite.engine.model.support import check_support
+from trl_infinite.engine.outputs import RolloutResult, RolloutStats
+from trl_infinite.engine.runner.autocast import autocast_dtype, describe
+from trl_infinite.engine.runner.eval_mode import eval_mode
+from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.model_runner import ModelRunner
+from trl_infinite.engine.runner.sampler import Sampler
+from trl_infinite.engine.runner.weight_copy import build_weight_copy
+from trl_infinite.engine.runner.weight_state import WeightTracker
+from trl_infinite.engine.sched.batch import NonFiniteLogitsError
+from trl_infinite.engine.sched.block_manager import blocks_for, pool_size
+from trl_infinite.engine.sched.history import PromptHistory, remember_visits
+from trl_infinite.engine.sched.predictors.base import build_predictor
+from trl_infinite.engine.sched.sequence import Group, Sequence, make_group
 
 FinishCallback = Callable[[int, int, list[int]], None]
 
@@ -85,7 +85,7 @@ class RolloutEngine:
         self.history = PromptHistory(self.config.history)  # per-prompt, across calls; `history.clear()` forgets it
         self.speculator = None
         if self.config.speculative.method is not None:
-            from .spec_decode import Speculator
+            from trl_infinite.engine.spec_decode import Speculator
 
             self.speculator = Speculator(self.config, self.device, history=self.history, target=model,
                                          target_support=self.support)

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import Segment
-from .batch import ScheduledBatch, StepOutput
-from .kv_pool import KVCachePool
-from .model_runner import ModelRunner, chunk_segments, last_rows
-from .outputs import RolloutStats
-from .sampler import Sampler, row_keys, seen_mask
-from .scheduling.predictors import LengthPredictor
-from .sequence import Group, Sequence
-from .static_decode import Decoded, StaticDecoder
+from trl_infinite.engine.attention import Segment
+from trl_infinite.engine.decode.static import Decoded, StaticDecoder
+from trl_infinite.engine.outputs import RolloutStats
+from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.model_runner import ModelRunner, chunk_segments, last_rows
+from trl_infinite.engine.runner.sampler import Sampler, row_keys, seen_mask
+from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.sched.predictors.base import LengthPredictor
+from trl_infinite.engine.sched.sequence import Group, Sequence
 
 
 @dataclass(frozen=True)

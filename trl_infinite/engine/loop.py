@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .batch import ScheduledBatch, StepOutput
-from .outputs import RolloutStats
-from .scheduler import Scheduler
-from .sequence import Sequence
+from trl_infinite.engine.outputs import RolloutStats
+from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.sched.scheduler import Scheduler
+from trl_infinite.engine.sched.sequence import Sequence
 
 TAIL_FRACTION = 0.9  # decode steps taken once this fraction of the samples has finished count as tail steps
 

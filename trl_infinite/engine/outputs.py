@@ -33,7 +33,7 @@ class RolloutStats:
     parks: int = 0  # divided rollout: a sample returned to the queue with its KV kept
     wall_time_s: float = 0.0
     peak_memory_bytes: int = 0  # CUDA peak during the call, 0 on CPU
-    weight_copy_bytes: int = 0  # the 16-bit copy of the weights the call ran on (`engine/weight_copy.py`), 0 if none
+    weight_copy_bytes: int = 0  # the 16-bit copy of the weights the call ran on (`engine/runner/weight_copy.py`), 0 if none
     tail_decode_steps: int = 0  # decode steps after 90% of the samples had finished
     offloaded_blocks: int = 0  # divided rollout: KV blocks of parked samples moved to host memory (and back)
     draft_tokens: int = 0  # speculative draft tokens verified

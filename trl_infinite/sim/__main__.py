@@ -26,10 +26,10 @@ import json
 import random
 from dataclasses import dataclass, replace
 
-from ..engine.config import EngineConfig
-from ..engine.sections import flags
-from .replay import SimConfig, simulate
-from .traces import TraceRecord, load_trace
+from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.config.sections import flags
+from trl_infinite.sim.replay import SimConfig, simulate
+from trl_infinite.sim.traces import TraceRecord, load_trace
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         feats, maes = None, {}
         if args.prefix_mae is not None or predictor == "prefix" or "prefix" in (
                 scheduling.history_predictor.fallback if predictor == "history" else ""):
-            from ..testing.offline_models import load_smollm2
-            from .prefix_eval import evaluate_mae, features
+            from trl_infinite.sim.prefix_eval import evaluate_mae, features
+            from trl_infinite.testing.offline_models import load_smollm2
 
             model, _ = load_smollm2()
             ks = sorted(set((args.prefix_mae or []) + [prefix_k]))

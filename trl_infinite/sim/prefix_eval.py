@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from ..engine.scheduling.predictors import OnlineRidge
-from .traces import TraceRecord
+from trl_infinite.engine.sched.predictors.base import OnlineRidge
+from trl_infinite.sim.traces import TraceRecord
 
 
 def features(records: list[TraceRecord], model, ks: list[int], batch: int = 16) -> dict[int, dict]:

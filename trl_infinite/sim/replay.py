@@ -12,16 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..engine.batch import ScheduledBatch, StepOutput
-from ..engine.block_manager import BlockAllocator, blocks_for, pool_size
-from ..engine.call import RolloutCall, call_blocks, sampling_mode
-from ..engine.config import EngineConfig
-from ..engine.history import PromptHistory, remember_visits
-from ..engine.outputs import RolloutStats
-from ..engine.prefix_cache import PrefixCache
-from ..engine.scheduling.predictors import LengthPredictor, build_predictor
-from ..engine.sequence import Group, make_group
-from .traces import TraceRecord
+from trl_infinite.engine.call import RolloutCall, call_blocks, sampling_mode
+from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.outputs import RolloutStats
+from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.sched.block_manager import BlockAllocator, blocks_for, pool_size
+from trl_infinite.engine.sched.history import PromptHistory, remember_visits
+from trl_infinite.engine.sched.predictors.base import LengthPredictor, build_predictor
+from trl_infinite.engine.sched.prefix_cache import PrefixCache
+from trl_infinite.engine.sched.sequence import Group, make_group
+from trl_infinite.sim.traces import TraceRecord
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..engine.batch import ScheduledBatch, StepOutput
-from ..engine.outputs import RolloutStats
-from ..engine.spec_decode.adaptive import sample_acceptance
-from ..engine.spec_decode.plan import (
+from trl_infinite.engine.outputs import RolloutStats
+from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.spec_decode.adaptive import sample_acceptance
+from trl_infinite.engine.spec_decode.plan import (
     COUPLED,
     DECOUPLED,
     Plan,
@@ -38,8 +38,8 @@ from ..engine.spec_decode.plan import (
     reconfigure,
     replan_due,
 )
-from .replay import SimConfig, SimResult, TraceExecutor, simulate
-from .traces import TraceRecord
+from trl_infinite.sim.replay import SimConfig, SimResult, TraceExecutor, simulate
+from trl_infinite.sim.traces import TraceRecord
 
 MODES = ("none", "coupled", "decoupled")
 

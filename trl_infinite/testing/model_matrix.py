@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiny_configs import SIZES, VOCAB, build_tiny_model, sizes
+from trl_infinite.testing.tiny_configs import SIZES, VOCAB, build_tiny_model, sizes
 
 PROMPT_LENS = (3, 8, 9, 17)
 MAX_NEW = 12
@@ -100,7 +100,7 @@ class Judgement:
 def judge(model, engine_config, ps: list[list[int]], n: int, max_new: int = MAX_NEW) -> Judgement:
     """Build the engine for `model`; if it raises `ValueError`, return the message; else greedy-decode each of `ps`
     `n` times through it (`max_new` tokens, no EOS) and return that with `model.generate`'s greedy tokens."""
-    from ..engine import RolloutEngine, SamplingParams
+    from trl_infinite.engine import RolloutEngine, SamplingParams
 
     try:
         engine = RolloutEngine(model, engine_config)
@@ -114,7 +114,7 @@ def judge(model, engine_config, ps: list[list[int]], n: int, max_new: int = MAX_
 
 def check_model(model_type: str, head_dim: int = SIZES["head_dim"]) -> Row:
     """The verdict of one model type (see module docstring), built with `tiny_configs.sizes(head_dim)`."""
-    from ..engine import EngineConfig, RolloutEngine, SamplingParams
+    from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 
     try:
         model = build_tiny_model(model_type, size=sizes(head_dim))
@@ -178,7 +178,7 @@ The rollout engine runs a Hugging Face causal LM exactly (greedy output token-id
 distributions unchanged) or refuses it when the `RolloutEngine` is built, with a `ValueError` that names the model
 type, the unsupported feature and what to use instead (`use_vllm=True` in the trainer). There is no silent path.
 
-## The contract (`trl_infinite/engine/support.py`)
+## The contract (`trl_infinite/engine/model/support.py`)
 
 Checked once per engine, on the model in eval mode:
 
@@ -188,7 +188,7 @@ Checked once per engine, on the model in eval mode:
    not a KV cache, so hybrids and SSMs are refused. A rotary embedding whose rotation of a position depends on the
    other positions of the forward is refused too (`dynamic` NTK scaling and Phi-3's `longrope`: transformers
    recomputes their frequencies from each forward's longest sequence), found by calling each rotary module with and
-   without a far position (`engine/rope_length.py`); `linear`, `yarn` and `llama3` scaling are served.
+   without a far position (`engine/model/rope_length.py`); `linear`, `yarn` and `llama3` scaling are served.
 2. **Routing probe.** One short forward with a recording attention function: every attention module must route
    through `transformers.AttentionInterface`, once per forward (DiffLlama's two calls per layer are refused), with a
    unique `layer_idx` and the engine's `paged_ctx` kwarg reaching it (StableLM and Nemotron drop the kwargs; BLOOM,
@@ -204,8 +204,8 @@ Checked once per engine, on the model in eval mode:
 4. **In every dtype the same decision.** Whether a model is served is decided in float32 whatever the run's dtype:
    a model with bf16 / fp16 weights or under autocast (TRL's default `bf16=True`) is first put through the routing
    and exactness checks in float32 (its own float32 weights with autocast off, a float32 copy, or a float32 replica
-   built from its config: `engine/replica.py`); then the run itself is checked against a bound derived from the
-   model's own 16-bit rounding noise (4 x, within 2 to 12 units of the dtype's precision: `engine/exactness.py`).
+   built from its config: `engine/model/replica.py`); then the run itself is checked against a bound derived from the
+   model's own 16-bit rounding noise (4 x, within 2 to 12 units of the dtype's precision: `engine/model/exactness.py`).
    `benchmarks/support_table.py` lists the decision per model type in float32, bf16 weights, bf16 autocast and on
    the replica (`benchmarks/RESULTS.md`, "Support contract in float32 and bf16").
 

@@ -13,8 +13,8 @@ import inspect
 
 import torch
 
-from ..engine.replica import REPLICA_VOCAB
-from ..engine.replica import shrink_config as _shrink
+from trl_infinite.engine.model.replica import REPLICA_VOCAB
+from trl_infinite.engine.model.replica import shrink_config as _shrink
 
 VOCAB = REPLICA_VOCAB
 # size fields by name, passed when the config class accepts them

@@ -1,7 +1,7 @@
 """Every way a test changes a model's weights between two engine calls (issue 40: the cache cannot go stale).
 
 `ROUTES[name](model, seed)` changes the weights of `model` in place, deterministically from `seed`, by one route;
-`SEEN[name]` says whether the engine's fingerprint alone notices it (`engine/weight_state.py`: an address, a version
+`SEEN[name]` says whether the engine's fingerprint alone notices it (`engine/runner/weight_state.py`: an address, a version
 counter, a `load_state_dict`, PEFT's adapter state). The routes it cannot notice are what `kv_cache_reuse_across_calls`
 leaves to the caller's `RolloutEngine.reset_prefix_cache()`. The LoRA routes need a PEFT model from `lora_model`
 (two adapters, 'default' active).

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from trl.trainer.utils import is_async_callable
 
-from .streaming import REWARD_CHUNKS, StreamSlot
+from trl_infinite.trainer.streaming import REWARD_CHUNKS, StreamSlot
 
 
 class CachedRewardFunc:

@@ -1,7 +1,7 @@
 """`InfiniteGRPOConfig`: TRL's `GRPOConfig` plus the rollout engine's settings, all prefixed `rollout_`.
 
 The `rollout_<flag>` fields are generated from `EngineConfig`'s settings, nested sections included (each setting's
-flag is its section's prefix + its name, `engine/sections.py`: `rollout_kv_cache_gb` -> `config.kv_cache.gb`), with
+flag is its section's prefix + its name, `engine/config/sections.py`: `rollout_kv_cache_gb` -> `config.kv_cache.gb`), with
 the setting's type, default and help, and the modules that read it; `_add_engine_fields`). A new engine setting is a
 trainer flag with no edit here. Fields whose engine type the command line cannot parse (`object`: a name *or* a
 callable / model) take their string form (`CLI_TYPES`). Validation is the engine's own, with the error naming the
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
-from ..engine.config import EngineConfig
-from ..engine.sections import flags
-from .streaming import REWARD_CHUNKS, REWARD_EXECUTORS
+from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.config.sections import flags
+from trl_infinite.trainer.streaming import REWARD_CHUNKS, REWARD_EXECUTORS
 
 PREFIX = "rollout_"
 TRAINER_ONLY = ("rollout_reward_executor", "rollout_reward_chunks")  # `rollout_*` fields of the trainer itself, not of `EngineConfig`
@@ -111,7 +111,7 @@ class InfiniteGRPOConfig(GRPOConfig):
             "help": "Training on CPU: CPU tensors of 1 MiB or more come from a caching allocator (each its own "
             "mapping, a freed one reused by the next tensor of its size class) that keeps at most this many MiB of "
             "freed blocks, giving the oldest back to the OS beyond it, and all of them after each rollout and each "
-            "backward slice (`engine/host_memory.py`). With glibc's `malloc` alone the small allocations made "
+            "backward slice (`engine/runner/host_memory.py`). With glibc's `malloc` alone the small allocations made "
             "between large ones fragment the heap, and the step's resident memory grows with the tokens per step far "
             "beyond its live tensors. Process-wide once installed; values are unchanged. None: off (PyTorch's "
             "default allocator)."

@@ -8,8 +8,8 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from ..engine import SamplingParams
-from ..engine.logits import split_generation_config, unsupported_generation_keys
+from trl_infinite.engine import SamplingParams
+from trl_infinite.engine.config.logits import split_generation_config, unsupported_generation_keys
 
 
 def effective_generation_config(model: torch.nn.Module, generation_config: GenerationConfig) -> GenerationConfig:

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..engine.attention import LayerSpec, temperature_scaled
-from .packing import GroupedLayout
+from trl_infinite.engine.attention import LayerSpec, temperature_scaled
+from trl_infinite.trainer.packing import GroupedLayout
 
 GROUPED_PREFIX = "trl_infinite_grouped"
 ORIGINALS = ("sdpa", "eager")  # implementations the dispatcher can stand in for (and call for ordinary forwards)

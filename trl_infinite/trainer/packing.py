@@ -77,7 +77,7 @@ class GroupedLayout:
 def _mask(positions, q_index, q_valid, k_index, k_valid, sliding_window, chunk_size) -> torch.Tensor:
     """[S, 1, Q, K] bool: causal by position, the layer's window / chunk, valid keys only. A padding query sees every
     valid key (its output is dropped; a row of no keys would give NaN in the backward)."""
-    from ..engine.attention import allowed
+    from trl_infinite.engine.attention import allowed
 
     q_pos, k_pos = positions[q_index], positions[k_index]  # [S, Q], [S, K]
     ok = allowed(q_pos[:, :, None], k_pos[:, None, :], sliding_window, chunk_size) & k_valid[:, None, :]

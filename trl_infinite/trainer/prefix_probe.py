@@ -16,12 +16,12 @@ import functools
 
 import torch
 
-from ..engine.exactness import CAP_ULPS, FLOOR_ULPS, NOISE_MULTIPLE, RoundingBound
-from ..engine.inputs import model_vocab_size
-from ..engine.probe import probe_tokens
-from ..engine.replica import Float32ReferenceError, float32_reference
-from ..engine.support import probe_length
-from .logprobs import HeadSpec
+from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.model.exactness import CAP_ULPS, FLOOR_ULPS, NOISE_MULTIPLE, RoundingBound
+from trl_infinite.engine.model.probe import probe_tokens
+from trl_infinite.engine.model.replica import Float32ReferenceError, float32_reference
+from trl_infinite.engine.model.support import probe_length
+from trl_infinite.trainer.logprobs import HeadSpec
 
 
 class SharedPrefixUnsupported(ValueError):

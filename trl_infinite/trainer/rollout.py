@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine import RolloutEngine, RolloutStats, SamplingParams
+from trl_infinite.engine import RolloutEngine, RolloutStats, SamplingParams
 
 
 @dataclass

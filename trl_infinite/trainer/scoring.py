@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from trl.extras.profiling import profiling_context
 
-from .cached_rewards import streamed_funcs
-from .rollout import PromptRun
-from .streaming import ChunkScores
+from trl_infinite.trainer.cached_rewards import streamed_funcs
+from trl_infinite.trainer.rollout import PromptRun
+from trl_infinite.trainer.streaming import ChunkScores
 
 _RESERVED = ("prompt", "completion", "completion_ids")
 

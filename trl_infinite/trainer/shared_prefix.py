@@ -10,7 +10,7 @@ TRL's row layout (zero where the completion is masked, as TRL's fused head gives
 The contract, checked once with the model in training mode and under the trainer's autocast:
 1. structure: the engine's check (no recurrent / convolutional / linear-attention mixers, layer types it knows), a
    text-only model whose attention implementation is one the dispatcher stands in for (`sdpa`, `eager`);
-2. routing: the engine's routing probe (`engine/probe.py`): every attention module calls transformers'
+2. routing: the engine's routing probe (`engine/model/probe.py`): every attention module calls transformers'
    `AttentionInterface` once per forward with the kwargs reaching it and a causal / sliding-window / chunked mask;
 3. determinism: two identical training forwards agree (dropout or router noise would draw one mask for the G rows'
    shared prompt where TRL draws G);
@@ -39,17 +39,17 @@ from contextlib import nullcontext
 import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
-from ..engine.attention import LayerSpec, attention_configs, temperature_tuned
-from ..engine.eval_mode import eval_mode
-from ..engine.exactness import RoundingBound, is_16bit
-from ..engine.inputs import model_vocab_size
-from ..engine.probe import probe_tokens, record_attention_calls
-from ..engine.support import UnsupportedModelError, check_structure, model_name, probe_length, verdict
-from .grouped_attention import ORIGINALS, GroupedContext, grouped_name, original_of, packed_forward
-from .logprobs import HeadSpec, selected_logprobs
-from .packing import GroupedLayout, pack_rows
-from .positions import length_dependent_rope
-from .prefix_probe import (  # noqa: F401  (FLOAT32_TOLERANCE, SharedPrefixUnsupported: re-exported)
+from trl_infinite.engine.attention import LayerSpec, attention_configs, temperature_tuned
+from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.model.exactness import RoundingBound, is_16bit
+from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
+from trl_infinite.engine.model.support import UnsupportedModelError, check_structure, model_name, probe_length, verdict
+from trl_infinite.engine.runner.eval_mode import eval_mode
+from trl_infinite.trainer.grouped_attention import ORIGINALS, GroupedContext, grouped_name, original_of, packed_forward
+from trl_infinite.trainer.logprobs import HeadSpec, selected_logprobs
+from trl_infinite.trainer.packing import GroupedLayout, pack_rows
+from trl_infinite.trainer.positions import length_dependent_rope
+from trl_infinite.trainer.prefix_probe import (  # noqa: F401  (FLOAT32_TOLERANCE, SharedPrefixUnsupported: re-exported)
     FLOAT32_TOLERANCE,
     SharedPrefixUnsupported,
     float32_decision,

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.inputs import model_vocab_size
-from ..engine.probe import probe_tokens
-from ..engine.support import probe_length
+from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.model.probe import probe_tokens
+from trl_infinite.engine.model.support import probe_length
 
 _NOISE_NAMES = ("dropout", "pdrop", "jitter", "layerdrop")
 

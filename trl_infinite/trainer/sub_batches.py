@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .backprop import take_rows
+from trl_infinite.trainer.backprop import take_rows
 
 ROW_MEAN_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
 TOKEN_MEAN_LOSSES = ("bnpo",)

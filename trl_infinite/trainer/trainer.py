@@ -17,21 +17,34 @@ from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
-from ..engine import RolloutEngine, host_memory
-from ..engine.support import UnsupportedModelError, check_structure
-from .backprop import SPLIT_INVARIANT_LOSSES, TRL_SET_KEY, make_micro_batches, permute_rows
-from .cached_rewards import streamed_funcs, wrap_reward_funcs
-from .config import engine_config_from_args
-from .generation import effective_generation_config, engine_fallback_reasons, engine_sampling_params
-from .logprobs import HeadSpec
-from .packing import pack_rows
-from .positions import length_dependent_rope
-from .rollout import PromptRun, RolloutSeeds, generate_rows, rollout_metrics, rollout_seed, trl_groups, turn_metrics
-from .scoring import ChunkScorer
-from .shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
-from .stochastic import random_training_forward, warning_text
-from .streaming import StreamingRewards, StreamSlot
-from .sub_batches import (
+from trl_infinite.engine import RolloutEngine
+from trl_infinite.engine.model.support import UnsupportedModelError, check_structure
+from trl_infinite.engine.runner import host_memory
+from trl_infinite.trainer.backprop import SPLIT_INVARIANT_LOSSES, TRL_SET_KEY, make_micro_batches, permute_rows
+from trl_infinite.trainer.cached_rewards import streamed_funcs, wrap_reward_funcs
+from trl_infinite.trainer.config import engine_config_from_args
+from trl_infinite.trainer.generation import (
+    effective_generation_config,
+    engine_fallback_reasons,
+    engine_sampling_params,
+)
+from trl_infinite.trainer.logprobs import HeadSpec
+from trl_infinite.trainer.packing import pack_rows
+from trl_infinite.trainer.positions import length_dependent_rope
+from trl_infinite.trainer.rollout import (
+    PromptRun,
+    RolloutSeeds,
+    generate_rows,
+    rollout_metrics,
+    rollout_seed,
+    trl_groups,
+    turn_metrics,
+)
+from trl_infinite.trainer.scoring import ChunkScorer
+from trl_infinite.trainer.shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
+from trl_infinite.trainer.stochastic import random_training_forward, warning_text
+from trl_infinite.trainer.streaming import StreamingRewards, StreamSlot
+from trl_infinite.trainer.sub_batches import (
     ROW_KEYS,
     SPLITTABLE_LOSSES,
     loss_weights,
@@ -42,8 +55,8 @@ from .sub_batches import (
     slice_rows,
     split_inputs,
 )
-from .trl_sets import TrlSetMetrics, piece_rows, split_metrics_warning
-from .weight_events import WeightEvents
+from trl_infinite.trainer.trl_sets import TrlSetMetrics, piece_rows, split_metrics_warning
+from trl_infinite.trainer.weight_events import WeightEvents
 
 # accelerate setups whose gradient sync the sub-batches' `no_sync` handles (DeepSpeed and FSDP count or shard
 # backward passes themselves: one pass per micro batch there)
@@ -118,7 +131,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
                 self._install_shared_prefix()
 
     def _install_host_tensor_cache(self) -> bool:
-        """Training on CPU: large CPU tensors from the caching allocator of `engine/host_memory.py`
+        """Training on CPU: large CPU tensors from the caching allocator of `engine/runner/host_memory.py`
         (`host_tensor_cache_mb`), so the step's resident memory follows its live tensors."""
         limit = getattr(self.args, "host_tensor_cache_mb", None)
         if limit is None or self.accelerator.device.type != "cpu":

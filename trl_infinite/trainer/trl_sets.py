@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sub_batches import MAX_METRICS, MIN_METRICS, RATIO_METRICS, ROW_METRICS, TOKEN_METRICS, merge_value
+from trl_infinite.trainer.sub_batches import (
+    MAX_METRICS,
+    MIN_METRICS,
+    RATIO_METRICS,
+    ROW_METRICS,
+    TOKEN_METRICS,
+    merge_value,
+)
 
 SPLIT_METRICS = TOKEN_METRICS + RATIO_METRICS + ROW_METRICS + MIN_METRICS + MAX_METRICS
 

@@ -3,7 +3,7 @@
 The engine keeps what it computed from the weights (cached prefixes, the 16-bit weight copy) across rollouts only
 under `rollout_kv_cache_reuse_across_calls=True` with `rollout_kv_cache_release=False`; it then relies on its caller
 to report every weight change, because no cheap observation of the weights sees them all (a fused AdamW step, the
-default `adamw_torch_fused`, bumps no version counter: `engine/weight_state.py`). The trainer reports:
+default `adamw_torch_fused`, bumps no version counter: `engine/runner/weight_state.py`). The trainer reports:
 
 - every optimizer step, at two points: `WeightEvents.on_optimizer_step`, the `TrainerCallback` event transformers'
   loop fires right after `optimizer.step()` whatever the optimizer is (a torch optimizer, accelerate's

@@ -10,7 +10,7 @@ from _models import reference_greedy, tiny_model, tiny_tokenizer
 from transformers import Qwen3ForCausalLM
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.model_guard import model_guard
+from trl_infinite.engine.model.guard import model_guard
 from trl_infinite.engine.spec_decode import draft_model as draft_module
 from trl_infinite.engine.spec_decode.draft_check import check_vocabulary
 

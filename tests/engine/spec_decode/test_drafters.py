@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from trl_infinite.engine import EngineConfig, SamplingParams
-from trl_infinite.engine.history import PromptHistory
-from trl_infinite.engine.sequence import Group, Sequence
+from trl_infinite.engine.sched.history import PromptHistory
+from trl_infinite.engine.sched.sequence import Group, Sequence
 from trl_infinite.engine.spec_decode import DRAFTERS, DraftContext
 from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, best_length
 

@@ -8,7 +8,7 @@ from _models import reference_greedy
 from scipy.stats import chi2
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine.sampler import Sampler
+from trl_infinite.engine.runner.sampler import Sampler
 from trl_infinite.engine.spec_decode import Drafter, Proposal, register_drafter
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]

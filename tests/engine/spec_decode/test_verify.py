@@ -3,8 +3,8 @@ is rejection sampling's law for point-mass drafts."""
 
 import torch
 
-from trl_infinite.engine.batch import INVALID_TOKEN
-from trl_infinite.engine.sampler import STREAM_SAMPLE, categorical, row_keys
+from trl_infinite.engine.runner.sampler import STREAM_SAMPLE, categorical, row_keys
+from trl_infinite.engine.sched.batch import INVALID_TOKEN
 from trl_infinite.engine.spec_decode import verify_greedy, verify_sampling
 
 

@@ -28,10 +28,22 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from .backends import ATTENTION_BACKEND_FNS, AttentionBackend, register_attention_backend, resolve_backend
-from .layer import LayerAttention, LayerSpec, allowed
-from .metadata import MaskKey, PagedAttentionMetadata, Segment, build_metadata, decode_metadata, with_context
-from .torch_backend import torch_paged_attention
+from trl_infinite.engine.attention.backends import (
+    ATTENTION_BACKEND_FNS,
+    AttentionBackend,
+    register_attention_backend,
+    resolve_backend,
+)
+from trl_infinite.engine.attention.layer import LayerAttention, LayerSpec, allowed
+from trl_infinite.engine.attention.metadata import (
+    MaskKey,
+    PagedAttentionMetadata,
+    Segment,
+    build_metadata,
+    decode_metadata,
+    with_context,
+)
+from trl_infinite.engine.attention.torch_backend import torch_paged_attention
 
 PAGED_ATTENTION_NAME = "trl_infinite_paged"
 

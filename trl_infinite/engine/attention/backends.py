@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import ATTENTION_BACKENDS
-from .metadata import MaskKey, PagedAttentionMetadata, with_context
-from .torch_backend import torch_paged_attention
+from trl_infinite.engine.attention.metadata import MaskKey, PagedAttentionMetadata, with_context
+from trl_infinite.engine.attention.torch_backend import torch_paged_attention
+from trl_infinite.engine.config.registry import ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ through the dispatcher, the compiled step through inductor's C++ wrapper. `with_
 backend; every call it does not cover keeps the torch reference path. A failed build is logged once and changes
 nothing but speed.
 
-A 16-bit pool (16-bit weights, or float32 weights under autocast, `engine/autocast.py`) keeps the torch path, which
+A 16-bit pool (16-bit weights, or float32 weights under autocast, `engine/runner/autocast.py`) keeps the torch path, which
 computes in the 16-bit dtype as the model's own attention does (16-bit inputs and probabilities, 16-bit output);
 this kernel would compute such a layer in float32, a different precision than the model's (under bf16 autocast on
 a tiny Qwen3 its logits came out one bf16 step, 3.5e-3 relative, off the model's, and the engine was refused at the
@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from .layer import LayerAttention, LayerSpec
-from .metadata import PagedAttentionMetadata
+from trl_infinite.engine.attention.layer import LayerAttention, LayerSpec
+from trl_infinite.engine.attention.metadata import PagedAttentionMetadata
 
 logger = logging.getLogger(__name__)
 

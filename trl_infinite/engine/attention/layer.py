@@ -1,6 +1,6 @@
 """Per-layer attention settings the paged backends implement, and the one mask rule they all follow.
 
-`LayerSpec` is static per attention layer (found once by the support probe, `engine/support.py`): the pool layer the
+`LayerSpec` is static per attention layer (found once by the support probe, `engine/model/support.py`): the pool layer the
 module writes to and its mask pattern (sliding window, chunk). `LayerAttention` is what a backend receives on each
 call: the spec's mask pattern plus the call's own values (softmax scale, logit soft-cap, attention-sink logits, read
 from the kwargs the model passes, so a trained sink parameter is always current).

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .layer import allowed
+from trl_infinite.engine.attention.layer import allowed
 
 MaskKey = tuple[int | None, int | None]  # (sliding window, chunk size) of a layer; (None, None) = full causal
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layer import LayerAttention
-from .metadata import PagedAttentionMetadata, with_context
+from trl_infinite.engine.attention.layer import LayerAttention
+from trl_infinite.engine.attention.metadata import PagedAttentionMetadata, with_context
 
 
 def torch_paged_attention(

@@ -33,13 +33,13 @@ from dataclasses import replace
 import torch
 import triton
 
-from . import triton_tiles as tiles
-from .backends import register_attention_backend
-from .layer import LayerAttention
-from .metadata import PagedAttentionMetadata, with_context
-from .torch_backend import torch_paged_attention
-from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
-from .triton_op import AUTOCAST_DTYPES, autocast_code, cascade_decode, set_body
+from trl_infinite.engine.attention import triton_tiles as tiles
+from trl_infinite.engine.attention.backends import register_attention_backend
+from trl_infinite.engine.attention.layer import LayerAttention
+from trl_infinite.engine.attention.metadata import PagedAttentionMetadata, with_context
+from trl_infinite.engine.attention.torch_backend import torch_paged_attention
+from trl_infinite.engine.attention.triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
+from trl_infinite.engine.attention.triton_op import AUTOCAST_DTYPES, autocast_code, cascade_decode, set_body
 
 # on CUDA, time the tile candidates on each configuration's first call (off: the first candidate, as
 # TRL_INFINITE_TRITON_AUTOTUNE=0 sets it: benchmarks/gpu_suite.sh checks the kernels without the tuning time)

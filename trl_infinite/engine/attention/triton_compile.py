@@ -8,7 +8,7 @@ given head geometry and pool dtype, with every layer feature on (soft-cap, sinks
 `LIMITS` holds the hardware limits the results are checked against (`check`).
 
 Run in a process where `TRITON_INTERPRET` is off (the interpreter replaces compilation). Used by the CI test
-(`tests/engine/test_triton_compile.py`) and `benchmarks/kernel_resources.py` (the table in RESULTS.md).
+(`tests/engine/attention/test_triton_compile.py`) and `benchmarks/kernel_resources.py` (the table in RESULTS.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from . import triton_tiles as tiles
+from trl_infinite.engine.attention import triton_tiles as tiles
 
 # per architecture: registers per thread, registers per multiprocessor, shared memory per block (opt-in maximum)
 LIMITS = {90: dict(regs=255, regs_per_sm=65536, shared=232448),  # H100: 227 KB
@@ -147,7 +147,7 @@ def compile_one(fn, constexprs: dict, dtype: str, arch: int, config: tiles.Tiles
 def kernel_resources(arch: int, dtype: str, head_dim_k: int, head_dim_v: int, gqa: int,
                      candidates: str = "all") -> list[Resources]:
     """Every configuration the backend can launch at this geometry (`candidates="first"`: the untuned defaults)."""
-    from .triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
+    from trl_infinite.engine.attention.triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
 
     block_dk, chunks = tiles.key_chunks(head_dim_k)
     num_heads = gqa * 2

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from .layer import LayerAttention
-from .metadata import PagedAttentionMetadata
+from trl_infinite.engine.attention.layer import LayerAttention
+from trl_infinite.engine.attention.metadata import PagedAttentionMetadata
 
 OP_NAME = "trl_infinite::triton_cascade_decode"
 AUTOCAST_DTYPES = (None, torch.bfloat16, torch.float16)  # the op's `autocast` argument indexes this

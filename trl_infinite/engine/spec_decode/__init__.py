@@ -1,11 +1,11 @@
 """Speculative rollout backend: drafters (registry `engine.registry.DRAFTERS`, built-ins loaded when first built),
 lossless verification, adaptive draft lengths."""
 
-from .adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths
-from .drafter import DRAFTERS, DraftContext, Drafter, Proposal, register_drafter
-from .speculator import Speculator
-from .step import SpeculativeStep
-from .verify import Verified, verify_greedy, verify_sampling
+from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, CostModel, best_length, plan_lengths
+from trl_infinite.engine.spec_decode.drafter import DRAFTERS, DraftContext, Drafter, Proposal, register_drafter
+from trl_infinite.engine.spec_decode.speculator import Speculator
+from trl_infinite.engine.spec_decode.step import SpeculativeStep
+from trl_infinite.engine.spec_decode.verify import Verified, verify_greedy, verify_sampling
 
 __all__ = [
     "DRAFTERS", "AcceptanceTracker", "CostModel", "DraftContext", "Drafter", "Proposal", "SpeculativeStep",

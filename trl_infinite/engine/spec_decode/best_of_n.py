@@ -13,12 +13,12 @@ the members that were not verified improve for free.
 
 from __future__ import annotations
 
-from ..config import SpeculativeConfig
-from ..sequence import Sequence
-from .adaptive import AcceptanceTracker, expected_accepted
-from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
-from .ngram import NgramDrafter
-from .suffix import SuffixDrafter
+from trl_infinite.engine.config.engine_config import SpeculativeConfig
+from trl_infinite.engine.sched.sequence import Sequence
+from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, expected_accepted
+from trl_infinite.engine.spec_decode.drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
+from trl_infinite.engine.spec_decode.ngram import NgramDrafter
+from trl_infinite.engine.spec_decode.suffix import SuffixDrafter
 
 
 @register_drafter("best_of_n")
@@ -30,7 +30,7 @@ class BestOfNDrafter(Drafter):
         super().__init__()
         self.members: list[Drafter] = [SuffixDrafter(config, context), NgramDrafter(config, context)]
         if context.draft_model is not None:
-            from .draft_model import DraftModelDrafter
+            from trl_infinite.engine.spec_decode.draft_model import DraftModelDrafter
 
             self.members.append(DraftModelDrafter(config, context))
         self.tail_batch = config.best_of_n.tail_batch

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cuda_graphs import capture_lock
-from ..sequence import SeqStatus, Sequence
-from .adaptive import plan_lengths
-from .drafter import EMPTY, Proposal
-from .plan import COUPLED, DECOUPLED, Plan, drain_rows, plan, reconfigure, replan_due
-from .step import SpeculativeStep
+from trl_infinite.engine.decode.cuda_graphs import capture_lock
+from trl_infinite.engine.sched.sequence import SeqStatus, Sequence
+from trl_infinite.engine.spec_decode.adaptive import plan_lengths
+from trl_infinite.engine.spec_decode.drafter import EMPTY, Proposal
+from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan, drain_rows, plan, reconfigure, replan_due
+from trl_infinite.engine.spec_decode.step import SpeculativeStep
 
 
 @dataclass

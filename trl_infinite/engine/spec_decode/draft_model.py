@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import Segment
-from ..config import EngineConfig, SpeculativeConfig
-from ..inputs import model_vocab_size
-from ..kv_pool import KVCachePool
-from ..model_runner import ModelRunner, last_rows
-from ..sampler import STREAM_SAMPLE, Sampler, row_keys
-from ..sequence import Sequence
-from ..support import check_support
-from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
+from trl_infinite.engine.attention import Segment
+from trl_infinite.engine.config.engine_config import EngineConfig, SpeculativeConfig
+from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.model.support import check_support
+from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.model_runner import ModelRunner, last_rows
+from trl_infinite.engine.runner.sampler import STREAM_SAMPLE, Sampler, row_keys
+from trl_infinite.engine.sched.sequence import Sequence
+from trl_infinite.engine.spec_decode.drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 
 
 def load_draft_model(spec, device: torch.device) -> torch.nn.Module:

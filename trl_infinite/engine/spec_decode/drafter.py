@@ -15,15 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..registry import DRAFTERS, register_drafter
-from ..sequence import Sequence
+from trl_infinite.engine.config.registry import DRAFTERS, register_drafter
+from trl_infinite.engine.sched.sequence import Sequence
 
 if TYPE_CHECKING:
     import torch
 
-    from ..config import EngineConfig, SamplingParams, SpeculativeConfig
-    from ..history import PromptHistory
-    from ..support import ModelSupport
+    from trl_infinite.engine.config.engine_config import EngineConfig, SamplingParams, SpeculativeConfig
+    from trl_infinite.engine.model.support import ModelSupport
+    from trl_infinite.engine.sched.history import PromptHistory
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..config import SpeculativeConfig
-from ..sequence import Sequence
-from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
+from trl_infinite.engine.config.engine_config import SpeculativeConfig
+from trl_infinite.engine.sched.sequence import Sequence
+from trl_infinite.engine.spec_decode.drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 
 
 @register_drafter("ngram")

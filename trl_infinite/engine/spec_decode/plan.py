@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adaptive import AffineFit, features
+from trl_infinite.engine.spec_decode.adaptive import AffineFit, features
 
 COUPLED, DECOUPLED = "coupled", "decoupled"
 

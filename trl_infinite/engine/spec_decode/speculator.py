@@ -7,17 +7,17 @@ from collections import deque
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
-from ..executor import StepContext
-from ..model_guard import model_guard
-from ..registry import DRAFTERS
-from ..support import ModelSupport, check_support
-from .adaptive import AcceptanceTracker, CostModel, sample_acceptance
-from .decoupled import DecoupledStep
-from .draft_check import check_vocabulary, draft_block_bytes, own_configs
-from .drafter import DraftContext, Drafter
-from .plan import DraftTimes, StepTimes
-from .step import SpeculativeStep
+from trl_infinite.engine.config.engine_config import EngineConfig, SamplingParams
+from trl_infinite.engine.config.registry import DRAFTERS
+from trl_infinite.engine.executor import StepContext
+from trl_infinite.engine.model.guard import model_guard
+from trl_infinite.engine.model.support import ModelSupport, check_support
+from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, CostModel, sample_acceptance
+from trl_infinite.engine.spec_decode.decoupled import DecoupledStep
+from trl_infinite.engine.spec_decode.draft_check import check_vocabulary, draft_block_bytes, own_configs
+from trl_infinite.engine.spec_decode.drafter import DraftContext, Drafter
+from trl_infinite.engine.spec_decode.plan import DraftTimes, StepTimes
+from trl_infinite.engine.spec_decode.step import SpeculativeStep
 
 
 class Speculator:
@@ -42,7 +42,7 @@ class Speculator:
         self.draft_model = None
         self.draft_support: ModelSupport | None = None
         if self.config.draft_model is not None:
-            from .draft_model import load_draft_model
+            from trl_infinite.engine.spec_decode.draft_model import load_draft_model
 
             self.draft_model = load_draft_model(self.config.draft_model, device)
             if target is not None:

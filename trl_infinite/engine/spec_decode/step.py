@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention import Segment
-from ..batch import ScheduledBatch
-from ..config import SamplingParams
-from ..executor import StepContext
-from ..sampler import STREAM_SAMPLE, row_keys, seen_mask
-from ..sequence import SeqStatus, Sequence
-from .adaptive import AcceptanceTracker, plan_lengths
-from .drafter import EMPTY, Drafter, Proposal
-from .verify import Verified, verify
+from trl_infinite.engine.attention import Segment
+from trl_infinite.engine.config.engine_config import SamplingParams
+from trl_infinite.engine.executor import StepContext
+from trl_infinite.engine.runner.sampler import STREAM_SAMPLE, row_keys, seen_mask
+from trl_infinite.engine.sched.batch import ScheduledBatch
+from trl_infinite.engine.sched.sequence import SeqStatus, Sequence
+from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, plan_lengths
+from trl_infinite.engine.spec_decode.drafter import EMPTY, Drafter, Proposal
+from trl_infinite.engine.spec_decode.verify import Verified, verify
 
 if TYPE_CHECKING:
-    from .speculator import Speculator
+    from trl_infinite.engine.spec_decode.speculator import Speculator
 
 
 class SpeculativeStep:

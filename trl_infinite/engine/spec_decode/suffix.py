@@ -16,9 +16,9 @@ samples are matched against the tree without being inserted). Drafts stay propos
 
 from __future__ import annotations
 
-from ..config import SpeculativeConfig
-from ..sequence import Sequence
-from .drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
+from trl_infinite.engine.config.engine_config import SpeculativeConfig
+from trl_infinite.engine.sched.sequence import Sequence
+from trl_infinite.engine.spec_decode.drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
 
 
 class _Node:

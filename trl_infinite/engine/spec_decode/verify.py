@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import INVALID_TOKEN
-from ..sampler import categorical
+from trl_infinite.engine.runner.sampler import categorical
+from trl_infinite.engine.sched.batch import INVALID_TOKEN
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""Runs a Hugging Face causal LM over the paged KV pool: packed host-built segments, or a static decode batch.
+
+Row-count invariance on CPU (`ROW_MULTIPLE`): a row's logits must not depend on how many rows share its forward, or
+a seed's samples would change with the schedule (a tail batch of 1-3 rows) and with speculation (a verification
+forward of another row count than the plain step), since at temperature 1 a near-tie of the inverse CDF flips on the
+last bit. CPU BLAS (MKL here) multiplies a matrix of 1-3 rows by another kernel (matrix-vector, or a narrower
+micro-kernel) than 4+ rows, and, with several threads, rows past the last multiple of 4 of a thread's share by a
+remainder kernel: measured on this machine's MKL (AVX512, 1-16 threads, every Linear shape of SmolLM2-135M and of
+the tiny test models, 1 to 260 rows), a row's product is bit-identical whatever the row count whenever the count is
+a multiple of 4 (`tests/engine/decode/test_row_invariance.py` pins it). So on CPU every forward runs a multiple of 4 rows:
+`forward` adds one-token padding segments that write the pool's null block, and the logits kept (`logits_to_keep`)
+are padded the same way; the static decode step pads its rows to buckets that are multiples of 4
+(`static_decode.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
+(one (row, head) per work item); the verification forward runs its query tokens as decode rows of their own
+(`spec_decode/step.py`), so it goes through the same kernel as the plain step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trl_infinite.engine.attention import (
+    LayerSpec,
+    PagedAttentionMetadata,
+    PagedContext,
+    Segment,
+    attention_configs,
+    build_metadata,
+    cpu_decode,
+    paged_attention,
+    resolve_backend,
+    temperature_tuned,
+    torch_paged_attention,
+)
+from trl_infinite.engine.runner.kv_pool import KVCachePool, KVLayout
+
+ROW_MULTIPLE = 4  # rows of every CPU forward are padded to a multiple of this (module docstring)
+
+
+def padded_count(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
+def decode_kernel_serves(device: torch.device, attention_backend: str, layers: dict[int, LayerSpec], kv: KVLayout,
+                         dtype: torch.dtype) -> bool:
+    """Whether the C++ CPU decode kernel would serve at least one layer of a model: CPU, the torch backend, and a
+    layer `cpu_decode.serves` (float32 pool, plain softmax, head dims of the vector width). Builds nothing."""
+    return (device.type == "cpu" and resolve_backend(attention_backend, device).attend is torch_paged_attention
+            and any(cpu_decode.serves(spec, kv.k_dims[spec.pool_index], kv.v_dims[spec.pool_index], dtype)
+                    for spec in layers.values()))
+
+
+class ModelRunner:
+    """One forward = one packed batch; returns the logits of the requested query tokens only."""
+
+    def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec],
+                 cpu_decode_kernel: bool = False, capture_models: tuple[torch.nn.Module, ...] = ()):
+        """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`); `capture_models`: the
+        models transformers installs its hidden-state hooks from (`ModelSupport.capture_models`). `cpu_decode_kernel`:
+        decode forwards go through `attention/cpu_decode`'s C++ kernel where it serves the layer
+        (`decode_kernel_serves`; built here if no engine built it before; if it cannot be built, the torch path).
+        The engine passes `ModelSupport.decode_kernel`: True only once the kernel passed the exactness check."""
+        self.model = model
+        self.capture_models = capture_models
+        self.pool = pool
+        self.device = pool.device
+        self.backend = resolve_backend(attention_backend, self.device)
+        self.attend = self.backend.attend
+        # every layer's decode attention is the kernel's (none falls back to the torch path)
+        self.decode_kernel_everywhere = False
+        if (cpu_decode_kernel and decode_kernel_serves(self.device, attention_backend, layers, pool.layout, pool.dtype)
+                and cpu_decode.build()):
+            self.attend = cpu_decode.with_kernel(self.backend.attend)
+            self.decode_kernel_everywhere = cpu_decode.covers(list(layers.values()), pool.layout.k_dims,
+                                                              pool.layout.v_dims, pool.dtype)
+        # decode steps split each row's context at the prompt: the torch backend's cascade on CPU, fed the group slots
+        # by the static step, wherever a layer falls back to the torch path. (With a 16-bit pool its two flash calls
+        # round their partial outputs to 16 bits before the merge, a rounding order the model's single attention
+        # call does not have: within the 16-bit tolerance, and on the greedy benchmark of
+        # `benchmarks/autocast_exactness.py` as close to `generate` as the whole-context path, at 0.54x to 0.6x the
+        # decode step time on SmolLM2-135M's shape; see benchmarks/RESULTS.md.)
+        self.cascade_decode = (self.device.type == "cpu" and self.backend.gathers_columns
+                               and not self.decode_kernel_everywhere)
+        self.layers = layers
+        # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
+        self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
+        self.attn_configs = attention_configs(model)
+        self.temperature_tuned = temperature_tuned(model)  # Llama 4's NoPE layers: scaled by position
+        # CPU: every forward at a multiple of `ROW_MULTIPLE` rows, verification as decode rows (module docstring)
+        self.row_multiple = ROW_MULTIPLE if self.device.type == "cpu" else 1
+
+    def routed(self):
+        """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
+        return paged_attention(self.model, self.attn_configs, self.temperature_tuned)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [1, T]
+        positions: torch.Tensor,  # [1, T]
+        meta: PagedAttentionMetadata,
+        logits_to_keep: torch.Tensor | int,  # [R] query indices whose logits are needed, or 0 for all
+        output_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
+        Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
+        meta = self.backend.prepare(meta, self.mask_keys)
+        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.attend, self.layers)
+        keep = isinstance(logits_to_keep, torch.Tensor)
+        num_keep = logits_to_keep.shape[0] if keep else 0
+        if keep and num_keep % self.row_multiple:  # the LM head at a row-invariant count (module docstring)
+            pad = padded_count(num_keep, self.row_multiple) - num_keep
+            logits_to_keep = torch.cat([logits_to_keep, logits_to_keep[-1:].expand(pad)])
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            paged_ctx=ctx,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=output_hidden,
+        )
+        logits = out.logits[0]
+        if keep and logits.shape[0] != logits_to_keep.shape[0]:  # a model that ignores `logits_to_keep`
+            logits = logits[logits_to_keep]
+        hidden = None
+        if output_hidden:
+            last = out.hidden_states[-1][0]
+            hidden = last[logits_to_keep[:num_keep]] if keep else last
+        return (logits[:num_keep], hidden) if keep else (logits, hidden)
+
+    def forward(self, segments: list[Segment], logit_rows: torch.Tensor, output_hidden: bool = False):
+        """Eager forward of host-side segments; `logit_rows` [R] indexes the packed query tokens whose logits are
+        needed. Returns (logits [R, V], hidden [R, hidden] or None). On CPU the packed tokens are padded to a
+        multiple of `ROW_MULTIPLE` with one-token segments writing the pool's null block (module docstring)."""
+        num_tokens = sum(len(s.tokens) for s in segments)
+        if num_tokens % self.row_multiple:
+            pad = Segment(0, [], [self.pool.null_block], 0, [0], -1)
+            segments = segments + [pad] * (padded_count(num_tokens, self.row_multiple) - num_tokens)
+        input_ids, positions, meta = build_metadata(segments, self.pool.block_size, self.device)
+        with self.routed():
+            return self.run(input_ids, positions, meta, logit_rows.to(self.device), output_hidden)
+
+
+def last_rows(segments: list[Segment]) -> torch.Tensor:
+    """Index of each segment's last token in the packed batch ([S])."""
+    ends = torch.cumsum(torch.tensor([len(s.tokens) for s in segments], dtype=torch.long), 0)
+    return ends - 1
+
+
+def chunk_segments(segments: list[Segment], max_tokens: int) -> list[list[Segment]]:
+    """Split a list of segments into forwards of at most `max_tokens` tokens (a long segment is cut in pieces,
+    each piece's context being everything before it)."""
+    batches: list[list[Segment]] = [[]]
+    used = 0
+    for seg in segments:
+        start = 0
+        while start < len(seg.tokens):
+            room = max_tokens - used
+            if room == 0:
+                batches.append([])
+                used, room = 0, max_tokens
+            piece = seg.tokens[start : start + room]
+            batches[-1].append(  # the copies run with the first piece (they fill context before the segment)
+                Segment(seg.prompt_len, seg.prefix_blocks, seg.suffix_blocks, seg.start_pos + start, piece,
+                        seg.group_index, seg.copies if start == 0 else [])
+            )
+            used += len(piece)
+            start += len(piece)
+    return [b for b in batches if b]
