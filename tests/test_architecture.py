@@ -151,6 +151,57 @@ def test_developer_tools_are_not_imported_by_the_core():
     assert f'exclude = ["{PACKAGE}.testing*"]' in pyproject  # and the wheel does not ship them
 
 
+# The engine's rooms, lowest first: a room imports only rooms of its own rank or lower (lazy imports included). The
+# drive at the top of `engine/` (the `RolloutEngine`, one call, its loop and the model-backed executor) uses them all;
+# `outputs` (what `generate` returns) sits with the configuration at the bottom.
+ROOMS = {"config": 0, "outputs": 0, "sched": 1, "attention": 2, "runner": 3, "decode": 4, "model": 5,
+         "spec_decode": 6, "engine": 7, "call": 7, "loop": 7, "executor": 7, "": 7}
+ENGINE = f"{PACKAGE}.engine"
+MAX_LINES = 300
+
+
+def _room(module: str) -> str | None:
+    if module != ENGINE and not module.startswith(f"{ENGINE}."):
+        return None
+    return module.split(".")[2] if module != ENGINE else ""
+
+
+def test_every_engine_module_is_in_a_room():
+    assert sorted({_room(m) for m in MODULES} - {None} - set(ROOMS)) == []
+    assert len([p for p in (ROOT / "engine").glob("*.py")]) <= 6  # the drive, `outputs` and `__init__`
+
+
+def test_rooms_import_downwards_only():
+    """No import from a lower room into a higher one: configuration <- scheduling <- attention <- runner <- decode
+    step <- model adaptation <- speculative decoding <- the drive."""
+    offenders = [(m, t) for m, targets in GRAPH.items() if _room(m) is not None for t in sorted(targets)
+                 if _room(t) is not None and ROOMS[_room(t)] > ROOMS[_room(m)]]
+    assert offenders == []
+
+
+def test_scheduling_imports_no_torch():
+    """Nothing under `engine/sched/` names torch (or transformers) in any import statement, lazy ones included; and
+    importing the whole room in an interpreter where torch cannot be imported works (the package `__init__`s above
+    it import lazily)."""
+    sched = [m for m in MODULES if m.startswith(f"{ENGINE}.sched")]
+    assert len(sched) >= 10
+    offenders = sorted((m, name) for m in sched for name in _imports(m)[1] & {"torch", "transformers", "triton"})
+    assert offenders == []
+    script = ("import importlib, sys\n"
+              "sys.modules['torch'] = sys.modules['transformers'] = None  # any import of them raises\n"
+              f"for name in {sorted(sched)!r}:\n"
+              "    importlib.import_module(name)\n")
+    checkout = str(ROOT.parent)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=checkout,
+                          env={**os.environ, "PYTHONPATH": checkout})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_no_module_over_300_lines():
+    lines = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path, _ in MODULES.values()}
+    assert {name: n for name, n in lines.items() if n > MAX_LINES} == {}
+
+
 def test_plugin_registry_is_a_leaf():
     """The registries name the plug-ins' modules as strings: importing them imports no plug-in (nor anything else of
     the package), so `EngineConfig` validates names without loading schedulers, drafters or kernels."""
