@@ -15,7 +15,8 @@ from trl_infinite.engine.config.inputs import check_eos, check_prompts, model_vo
 from trl_infinite.engine.config.logits import GenerationProcessors
 from trl_infinite.engine.decode.cuda_graphs import graphs_available
 from trl_infinite.engine.decode.static import StaticDecoder, static_step_bytes
-from trl_infinite.engine.executor import ModelExecutor, PrefixCapture, StepContext
+from trl_infinite.engine.decode.step import EagerStep, PrefixCapture, StepContext
+from trl_infinite.engine.executor import ModelExecutor
 from trl_infinite.engine.loop import StepTimer
 from trl_infinite.engine.model.guard import model_guard
 from trl_infinite.engine.model.support import check_support
@@ -321,10 +322,12 @@ class RolloutEngine:
             capacity = call.mode.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
             decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
                           prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
-                          own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None)
-        ctx = StepContext(self.runner, sampler, sampling.seed, call.stats, self.config.max_prefill_tokens, decoder)
-        spec = self.speculator.begin(ctx, sampling) if self.speculator is not None else None
-        return ModelExecutor(ctx, prefix, spec)
+                          own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None,
+                          stats=call.stats)
+        ctx = StepContext(self.runner, sampler, sampling.seed, call.stats, self.config.max_prefill_tokens, decoder,
+                          prefix)
+        step = self.speculator.begin(ctx, sampling) if self.speculator is not None else decoder or EagerStep(ctx)
+        return ModelExecutor(ctx, step)
 
     @staticmethod
     def _make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths) -> list[Group]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,9 +26,10 @@ from trl_infinite.engine.attention import decode_metadata
 from trl_infinite.engine.decode.cuda_graphs import GraphRuntime, PoolMemory, capture_lock, is_capture_error
 from trl_infinite.engine.runner.kv_pool import KVCachePool
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from trl_infinite.engine.decode.static import StepInputs as Args
 
-Args = tuple  # the static step's arguments (see `StaticDecoder._step`)
+logger = logging.getLogger(__name__)
 
 
 class _Captured:
@@ -116,13 +117,13 @@ class StepGraphs:
         """Run the step twice for real (Triton JIT and autotuning, cuBLAS workspaces, compilation) free of side
         effects: on copies of what it advances (each run its own, same strides) and with the pool slots it writes
         (each row's current position) saved before and put back after."""
-        inputs, prompt_len, group, seen = args[0], args[1], args[2], args[6]
-        slots = decode_metadata(inputs[1], prompt_len, args[4], args[5], group, self.block_size).slot_mapping  # [N]
+        slots = decode_metadata(args.inputs[1], args.prompt_len, args.prefix_table, args.suffix_table, args.group,
+                                self.block_size).slot_mapping  # [N]
         pool = self.pool
         saved = [(k[slots], v[slots]) for k, v in zip(pool.k_caches, pool.v_caches)]
         try:
             for _ in range(2):
-                warm = (_copy(inputs), *args[1:6], None if seen is None else _copy(seen), *args[7:])
+                warm = args._replace(inputs=_copy(args.inputs), seen=None if args.seen is None else _copy(args.seen))
                 self.runtime.warmup(lambda warm=warm: run(warm))
         finally:
             for (k, v), (sk, sv) in zip(zip(pool.k_caches, pool.v_caches), saved):

@@ -6,19 +6,17 @@
 processors and the inverse-CDF draw. Nothing in `_step` reads device data on the host, so it runs
 - eagerly (the default off CUDA),
 - compiled with `torch.compile(fullgraph=True)` (`EngineConfig.compile`, on any device), and/or
-- captured in one CUDA graph per bucket and replayed (`EngineConfig.cuda_graphs`, on CUDA; `step_graphs.py`), up to
+- captured in one CUDA graph per bucket and replayed (`EngineConfig.cuda_graphs`, on CUDA; `graphs.py`), up to
   `EngineConfig.cuda_graph_max_batch` rows.
-The host's work per step is `DecodeRows.update` (incremental, non-blocking uploads) and one copy of the sampled
-tokens and log-probabilities back: the step packs them into one [2, rows] float64 tensor ([3, rows] with raw
-log-probs), copied whole into a flat pinned buffer (contiguous to contiguous: no pageable temporary, so the copy does
-not block the host).
+The step's inputs are named (`StepInputs`), and so is its compile key. The host's work per step is
+`DecodeRows.update` (incremental, non-blocking uploads) and one copy of the sampled tokens and log-probabilities
+back (`step.pack`, `step.ReadBack`: into a flat pinned buffer, without blocking the host).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,11 +28,12 @@ from trl_infinite.engine.decode.cuda_graphs import PoolMemory, graph_runtime
 from trl_infinite.engine.decode.graphs import StepGraphs
 from trl_infinite.engine.decode.output_capture import install_capturing_hooks
 from trl_infinite.engine.decode.rows import DecodeRows
+from trl_infinite.engine.decode.step import DecodeStep, Pending, ReadBack, one_token, pack
 from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.engine.runner.model_runner import ModelRunner, padded_count
 from trl_infinite.engine.runner.sampler import Sampler, row_keys, seed_base
 from trl_infinite.engine.runner.weight_state import adapter_state
-from trl_infinite.engine.sched.scheduler import ScheduledBatch
+from trl_infinite.engine.sched.batch import ScheduledBatch
 
 
 def bucket_sizes(capacity: int, multiple: int = 1) -> list[int]:
@@ -68,19 +67,24 @@ def _pow2_at_least(n: int, cap: int) -> int:
     return min(cap, 1 << max(n - 1, 1).bit_length())
 
 
-@dataclass
-class Decoded:
-    """One decode step's result, in `batch.decode` order; `hidden` [rows, hidden] on the device (or None) is
-    indexed by `rows`."""
+class StepInputs(NamedTuple):
+    """The static step's inputs over rows `0 .. padded-1` (views of `DecodeRows`, or contiguous copies of the
+    tables' columns in use). The step advances `inputs` and `seen` in place."""
 
-    tokens: list[int]
-    logprobs: list[float]
-    hidden: torch.Tensor | None
-    rows: list[int]
-    raw_logprobs: list[float] | None = None  # with `SamplingParams.raw_logprobs_temperature`
+    inputs: torch.Tensor  # [2, N] token; position
+    prompt_len: torch.Tensor  # [N]
+    group: torch.Tensor  # [N] (-1: padding row)
+    sample: torch.Tensor  # [N]
+    prefix_table: torch.Tensor  # [N, prompt columns]
+    suffix_table: torch.Tensor  # [N, own columns]
+    seen: torch.Tensor | None  # [N, V] ids in each row's context (repetition penalty)
+    seed: torch.Tensor  # 0-dim
+    group_slot: torch.Tensor | None  # [N] (cascade decode only)
+    group_prefix: torch.Tensor | None  # [group slots, prompt columns] (cascade decode only)
+    groups: int  # bucket of the batch's group count (kernels that read whole tables), else 0
 
 
-class StaticDecoder:
+class StaticDecoder(DecodeStep):
     """Runs decode steps on the static path for one engine (its model, pool and backend)."""
 
     def __init__(self, runner: ModelRunner, compile: bool, cuda_graphs: bool, compile_backend: str,
@@ -104,6 +108,7 @@ class StaticDecoder:
         self.want_hidden = False
         self.seed = torch.zeros((), dtype=torch.long, device=self.device)
         self._host: torch.Tensor | None = None  # flat pinned read-back buffer (CUDA)
+        self.stats = RolloutStats()  # the call's (`begin`)
         self._fingerprint: tuple = ()
         self._compiled: CompiledStep | None = None
         if compile:
@@ -118,8 +123,10 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ per call
     def begin(self, sampler: Sampler, seed: int, capacity: int, prompt_blocks: int, own_blocks: int,
-              want_hidden: bool) -> None:
-        """Prepare for one `generate` call: the rows' capacity and table widths, the sampler, the seed."""
+              want_hidden: bool, stats: RolloutStats | None = None) -> None:
+        """Prepare for one `generate` call: the rows' capacity and table widths, the sampler, the seed, the call's
+        stats."""
+        self.stats = stats if stats is not None else RolloutStats()
         vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
         cap = bucket_sizes(capacity, self.runner.row_multiple)[-1]
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
@@ -164,8 +171,8 @@ class StaticDecoder:
         self.begin(Sampler(SamplingParams(temperature=0.0)), 0, capacity=1, prompt_blocks=1, own_blocks=1,
                    want_hidden=False)
         try:
-            self.graphs.replay(("check",), self._args(1, captured=True)[0], lambda args: self._run(args, False),
-                               lambda args: self._record(args, compiled=False))
+            self.graphs.replay(("check",), self._inputs(1, captured=True)[0], lambda x: self._run(x, False),
+                               lambda x: self._record(x, compiled=False))
         finally:
             self._clear_graphs()
             self.rows = self.sampler = None
@@ -180,55 +187,47 @@ class StaticDecoder:
             self.rows.clear()
 
     # ------------------------------------------------------------------ one step
-    def launch(self, batch: ScheduledBatch, stats: RolloutStats) -> Callable[[], Decoded]:
+    def launch(self, batch: ScheduledBatch) -> Pending:
         """Start one decode step over `batch.decode` (one token per sample); returns the function that waits for it.
         On CUDA the step runs asynchronously between the two calls (the host is free, e.g. to score rewards), and
         the tokens come back through one non-blocking copy into pinned memory. Adds the host time of the upload and
         the read-back to `stats.host_time_s`, the forward's (up to the read-back) to `stats.decode_forward_s`."""
         t0 = time.perf_counter()
-        seqs = batch.decode
-        row_of = self.rows.update(seqs, batch.grown, batch.rebuilt)
-        n = len(seqs)
+        stats = self.stats
+        row_of = self.rows.update(batch.decode, batch.grown, batch.rebuilt)
+        n = len(row_of)
         padded = next(b for b in bucket_sizes(self.rows.capacity, self.runner.row_multiple) if b >= n)
         captured = self.graphs is not None and self.graphs.covers(padded)
-        args, key = self._args(padded, captured)
+        x, key = self._inputs(padded, captured)
         t1 = time.perf_counter()
         out = None
         if captured:
             before = self.graphs.captures
-            out = self.graphs.replay(key, args, self._run, self._record)
+            out = self.graphs.replay(key, x, self._run, self._record)
             stats.graph_captures += self.graphs.captures - before
-        packed, hidden = out if out is not None else self._run(args)  # [2 or 3, padded] float64
-        if packed.is_cuda:
-            host = self._host_buffer(packed.numel()).view(packed.shape)
-            host.copy_(packed, non_blocking=True)
-            packed = host
-            done = torch.cuda.Event()
-            done.record()
+        if out is None:
+            with self.runner.routed():
+                out = self._step(x) if self._compiled is None else self._compiled(self._compile_key(x), x)
+        packed, hidden = out  # [padded, 2 or 3] float64
+        if packed.is_cuda and (self._host is None or self._host.numel() < packed.numel()):
+            self._host = torch.empty(max(packed.numel(), 3 * self.rows.capacity), dtype=torch.float64,
+                                     pin_memory=True)
+        read = ReadBack(packed, self._host)
         t2 = time.perf_counter()
 
-        def finish() -> Decoded:
+        def finish():
             t3 = time.perf_counter()
-            if packed.is_pinned():
-                done.synchronize()
+            read.wait()
             t4 = time.perf_counter()
-            host = packed.tolist()
-            out = Decoded([int(host[0][r]) for r in row_of], [host[1][r] for r in row_of], hidden, row_of,
-                          [host[2][r] for r in row_of] if len(host) > 2 else None)
+            decoded = one_token(read.rows(), row_of, hidden)
             stats.host_time_s += (t1 - t0) + (time.perf_counter() - t4)
             stats.decode_forward_s += (t2 - t1) + (t4 - t3)
-            return out
+            return decoded
 
         return finish
 
-    def _host_buffer(self, size: int) -> torch.Tensor:
-        """The first `size` elements of the flat pinned float64 read-back buffer (grown to the rows' capacity)."""
-        if self._host is None or self._host.numel() < size:
-            self._host = torch.empty(max(size, 2 * self.rows.capacity), dtype=torch.float64, pin_memory=True)
-        return self._host[:size]
-
-    def _args(self, padded: int, captured: bool) -> tuple[tuple, tuple]:
-        """The step's arguments over rows `0 .. padded-1`, and its graph key. A graph keeps the views' addresses;
+    def _inputs(self, padded: int, captured: bool) -> tuple[StepInputs, tuple]:
+        """The step's inputs over rows `0 .. padded-1`, and its graph key. A graph keeps the views' addresses;
         otherwise the tables are contiguous copies of the columns in use (one memory layout whatever the widths)."""
         rows = self.rows
         pcols, ocols = rows.prefix_cols, rows.own_cols
@@ -249,57 +248,54 @@ class StaticDecoder:
             tables.append(rows.group_prefix[:slots, :pcols])
         if not captured:
             tables = [t.clone(memory_format=torch.contiguous_format) for t in tables]
-        group_prefix = tables[2] if self.cascade_slots else None
         # kernels that read whole tables (Triton's) size their prompt splits by the batch's group count: a bucket
         # (host int) in the key, so a graph replays the splits it captured; 0 (unused) elsewhere
         groups = tiles.group_bucket(rows.num_groups) if self.full_tables else 0
-        args = (rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
-                *tables[:2], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot, group_prefix,
-                groups)
-        return args, (padded, pcols, ocols, slots, groups)
+        x = StepInputs(rows.inputs[:, :padded], rows.prompt_len[:padded], rows.group[:padded], rows.sample[:padded],
+                       tables[0], tables[1], None if rows.seen is None else rows.seen[:padded], self.seed, group_slot,
+                       tables[2] if self.cascade_slots else None, groups)
+        return x, (padded, pcols, ocols, slots, groups)
 
-    def _run(self, args, compiled: bool = True):
+    def _run(self, x: StepInputs, compiled: bool = True):
+        """The step, eager or compiled (a graph's warm-up)."""
         with self.runner.routed():
             if self._compiled is None or not compiled:
-                return self._step(*args)
-            return self._compiled(self._compile_key(args), *args)
+                return self._step(x)
+            return self._compiled(self._compile_key(x), x)
 
-    def _compile_key(self, args) -> tuple:
+    def _compile_key(self, x: StepInputs) -> tuple:
         """One compiled entry per (bucket, group slots, group count bucket, sampling settings, hidden states wanted,
         seen tokens kept), dispatched without Dynamo's guards after its first call (`CompiledStep`)."""
         if not self.full_tables:  # context widths grow with the samples: one compiled graph for all widths
-            torch._dynamo.maybe_mark_dynamic(args[4], 1)
-            torch._dynamo.maybe_mark_dynamic(args[5], 1)
-            if args[9] is not None:
-                torch._dynamo.maybe_mark_dynamic(args[9], 1)
-        return (args[0].shape[1], 0 if args[9] is None else args[9].shape[0], args[10], self.sampler.params_key,
-                self.want_hidden, args[6] is None)
+            for table in (x.prefix_table, x.suffix_table, x.group_prefix):
+                if table is not None:
+                    torch._dynamo.maybe_mark_dynamic(table, 1)
+        slots = 0 if x.group_prefix is None else x.group_prefix.shape[0]
+        return (x.inputs.shape[1], slots, x.groups, self.sampler.params_key, self.want_hidden, x.seen is None)
 
-    def _record(self, args, compiled: bool = True):
+    def _record(self, x: StepInputs, compiled: bool = True):
         """What a graph captures: the step, compiled when `compile` is on (the compiled graph the warm-up ran, called
         without entering Dynamo: nothing is traced or guarded inside a capture)."""
         with self.runner.routed():
             if not compiled or self._compiled is None:
-                return self._step(*args)
-            entry = self._compiled.entry(self._compile_key(args))
-            return entry(*args) if entry is not None else self._compiled.guarded(*args)
+                return self._step(x)
+            entry = self._compiled.entry(self._compile_key(x))
+            return entry(x) if entry is not None else self._compiled.guarded(x)
 
-    def _step(self, inputs, prompt_len, group, sample, prefix_table, suffix_table, seen, seed, group_slot,
-              group_prefix, groups: int):
-        """The static region: [2, N] inputs and per-row state in; the sampled tokens and their log-probs packed
-        into one [2, N] float64 tensor ([3, N] with raw log-probs; ids are exact in float64) and the hidden states
-        (or None) out. Advances the rows for the next step on the device: input token := the sampled token,
-        position + 1, the token marked seen (padding rows, group -1, keep position 0)."""
-        ids, pos = inputs[0], inputs[1]
-        meta = decode_metadata(pos, prompt_len, prefix_table, suffix_table, group, self.block_size, group_slot,
-                               group_prefix, groups or None)
+    def _step(self, x: StepInputs):
+        """The static region: the rows' state in; the sampled tokens and their log-probs packed into one [N, 2]
+        float64 tensor ([N, 3] with raw log-probs; ids are exact in float64: `step.pack`) and the hidden states (or
+        None) out. Advances the rows for the next step on the device: input token := the sampled token, position +
+        1, the token marked seen (padding rows, group -1, keep position 0)."""
+        ids, pos = x.inputs[0], x.inputs[1]
+        meta = decode_metadata(pos, x.prompt_len, x.prefix_table, x.suffix_table, x.group, self.block_size,
+                               x.group_slot, x.group_prefix, x.groups or None)
         logits, hidden = self.runner.run(ids[None], pos[None], meta, 0, self.want_hidden)
-        logprobs = self.sampler.process(logits, seen)
-        keys = row_keys(seed, group, sample, pos + 1)
+        logprobs = self.sampler.process(logits, x.seen)
+        keys = row_keys(x.seed, x.group, x.sample, pos + 1)
         tokens, token_logprobs = self.sampler.sample(logprobs, keys, logits)
-        inputs[0].copy_(tokens)
-        inputs[1].add_((group >= 0).long())
-        if seen is not None:
-            seen.scatter_(1, tokens[:, None], True)  # (`seen[rows, tokens] = True` uploads a host scalar)
-        # [2, N] (token, log-prob), or [3, N] with raw log-probs (`SamplingParams.raw_logprobs_temperature`)
-        return torch.cat([tokens[None].double(), token_logprobs.double().reshape(tokens.shape[0], -1).T]), hidden
+        x.inputs[0].copy_(tokens)
+        x.inputs[1].add_((x.group >= 0).long())
+        if x.seen is not None:
+            x.seen.scatter_(1, tokens[:, None], True)  # (`seen[rows, tokens] = True` uploads a host scalar)
+        return pack(tokens, token_logprobs), hidden

@@ -33,6 +33,7 @@ from trl_infinite.engine.attention import (
     torch_paged_attention,
 )
 from trl_infinite.engine.runner.kv_pool import KVCachePool, KVLayout
+from trl_infinite.engine.sched.sequence import Sequence
 
 ROW_MULTIPLE = 4  # rows of every CPU forward are padded to a multiple of this (module docstring)
 
@@ -139,6 +140,12 @@ class ModelRunner:
         input_ids, positions, meta = build_metadata(segments, self.pool.block_size, self.device)
         with self.routed():
             return self.run(input_ids, positions, meta, logit_rows.to(self.device), output_hidden)
+
+
+def sample_segment(seq: Sequence, start_pos: int, tokens: list[int]) -> Segment:
+    """The segment of `tokens` of sample `seq` from position `start_pos`: its prompt's blocks as the prefix, its own
+    blocks as the suffix."""
+    return Segment(seq.prompt_len, seq.group.prompt_blocks, seq.blocks, start_pos, tokens, seq.group_id)
 
 
 def last_rows(segments: list[Segment]) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from trl_infinite.engine.config.engine_config import EngineConfig, SamplingParams
 from trl_infinite.engine.config.registry import DRAFTERS
-from trl_infinite.engine.executor import StepContext
+from trl_infinite.engine.decode.step import StepContext
 from trl_infinite.engine.model.guard import model_guard
 from trl_infinite.engine.model.support import ModelSupport, check_support
 from trl_infinite.engine.spec_decode.adaptive import AcceptanceTracker, CostModel, sample_acceptance

@@ -17,7 +17,8 @@ import torch
 
 from trl_infinite.engine.attention import Segment
 from trl_infinite.engine.config.engine_config import SamplingParams
-from trl_infinite.engine.executor import StepContext
+from trl_infinite.engine.decode.step import Decoded, DecodeStep, Pending, ReadBack, StepContext, context_rows, pack
+from trl_infinite.engine.runner.model_runner import sample_segment
 from trl_infinite.engine.runner.sampler import STREAM_SAMPLE, row_keys, seen_mask
 from trl_infinite.engine.sched.batch import ScheduledBatch
 from trl_infinite.engine.sched.sequence import SeqStatus, Sequence
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
     from trl_infinite.engine.spec_decode.speculator import Speculator
 
 
-class SpeculativeStep:
-    """Per-`generate` state: drafter, acceptance tracker. `run` replaces the executor's plain decode forward."""
+class SpeculativeStep(DecodeStep):
+    """Per-`generate` state: drafter, acceptance tracker; the call's decode step (`decode/step.py`'s protocol)."""
 
     def __init__(self, ctx: StepContext, spec: Speculator, drafter: Drafter, sampling: SamplingParams):
         self.ctx = ctx
@@ -49,9 +50,8 @@ class SpeculativeStep:
         return self.spec.max_tokens
 
     # ------------------------------------------------------------------ one step
-    def run(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[float]], list[list[float]] | None]:
-        """Draft, verify in one forward, return each row's accepted drafts + correction/bonus token (tokens,
-        log-probs, raw log-probs or None; see `StepOutput`)."""
+    def launch(self, batch: ScheduledBatch) -> Pending:
+        """Draft, verify in one forward: each row's accepted drafts + correction/bonus token (see `StepOutput`)."""
         seqs = batch.decode
         proposals = self._draft(batch)
         ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
@@ -61,7 +61,7 @@ class SpeculativeStep:
             self._join_ahead(ahead, keep=False)  # the drafter thread is idle again before the error leaves
             raise
         self._join_ahead(ahead, keep=True)
-        return out
+        return lambda: out
 
     def _launch_ahead(self, seqs: list[Sequence], drafts: list[list[int]]):
         """Decoupled speculation starts drafting the next window here (`decoupled.py`); coupled: nothing."""
@@ -77,28 +77,30 @@ class SpeculativeStep:
             f"{g}/{i}": tuple(c) for (g, i), c in sorted(self.sample_counts.items())}
         self.spec.record_samples(self.sample_counts.values())
 
-    def _verify_step(self, batch: ScheduledBatch, seqs: list[Sequence], proposals: list[Proposal]):
+    def _verify_step(self, batch: ScheduledBatch, seqs: list[Sequence], proposals: list[Proposal]) -> Decoded:
         drafts = [p.tokens for p in proposals]
         if not any(drafts) and self.ctx.decoder is not None:  # nothing to verify: the plain static step
             t0 = time.perf_counter()
-            decoded = self.ctx.decoder.launch(batch, self.ctx.stats)()
+            decoded = self.ctx.decoder.launch(batch)()
             self._observe(seqs, drafts, [0] * len(seqs), time.perf_counter() - t0)
-            raw = None if decoded.raw_logprobs is None else [[lp] for lp in decoded.raw_logprobs]
-            return [[t] for t in decoded.tokens], [[lp] for lp in decoded.logprobs], raw
+            return replace(decoded, hidden=None, rows=None)  # (the length predictor's hidden states: not here)
         if self.ctx.decoder is not None:  # this step appends tokens the static rows do not see: rebuild them next
             self.ctx.decoder.invalidate()
         start = [s.num_tokens - 1 for s in seqs]
-        segments = [self._segment(s, [s.output_ids[-1]] + d, pos) for s, d, pos in zip(seqs, drafts, start)]
+        segments = [sample_segment(s, pos, [s.output_ids[-1]] + d) for s, d, pos in zip(seqs, drafts, start)]
         if self.ctx.runner.row_multiple > 1:  # CPU: each query token a decode row of its own (`_as_decode_rows`)
             segments = _as_decode_rows(segments)
         t0 = time.perf_counter()
         n_query = sum(len(seg.tokens) for seg in segments)
         logits, _ = self.ctx.runner.forward(segments, torch.arange(n_query))
         verified, raw = self._verify(seqs, proposals, start, logits)
-        toks, lps, raws, n_acc = _to_host(verified, raw)
+        k1 = verified.tokens.shape[1]  # one read-back: tokens, log-probs, raw log-probs (or none), accepted counts
+        host = ReadBack(pack(verified.tokens, verified.logprobs, *([raw] if raw is not None else []),
+                             verified.num_accepted)).rows()
+        n_acc = [int(r[-1]) for r in host]
         self._observe(seqs, drafts, n_acc, time.perf_counter() - t0)
-        cut = lambda rows: [row[: n + 1] for row, n in zip(rows, n_acc)]  # noqa: E731
-        return cut(toks), cut(lps), None if raws is None else cut(raws)
+        cut = lambda j: [r[j * k1 : j * k1 + n + 1] for r, n in zip(host, n_acc)]  # noqa: E731
+        return Decoded([[int(t) for t in row] for row in cut(0)], cut(1), cut(2) if raw is not None else None)
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Forget finished samples' acceptance and keep them for the drafter's next catch-up (`_catch_up`). The
@@ -152,11 +154,6 @@ class SpeculativeStep:
         self.spec.draft_times.observe(sum(1 for k in ks if k), max(ks), sum(ks), time.perf_counter() - t0)
         return [Proposal(p.tokens[:k]) for p, k in zip(proposals, ks)]
 
-    @staticmethod
-    def _segment(seq: Sequence, tokens: list[int], pos: int) -> Segment:
-        g = seq.group
-        return Segment(g.prompt_len, g.prompt_blocks, seq.blocks, pos, tokens, g.group_id)
-
     # -- verification
     def _verify(self, seqs, proposals, start, logits) -> tuple[Verified, torch.Tensor | None]:
         """Identity verification (`verify.py`) of the drafts against the logits of the verification forward
@@ -169,7 +166,9 @@ class SpeculativeStep:
         sampler = self.ctx.sampler
         seen = history = None
         if sampler.uses_context:
-            history = _history_rows(seqs, drafts).to(device)  # [T, L]
+            # [T, L] context of every verified row (row j of a sample also sees drafts d_1..d_j)
+            history = context_rows([s.group.prompt_ids + s.output_ids + d[:j] for s, d in zip(seqs, drafts)
+                                    for j in range(len(d) + 1)]).to(device)
             if not sampler.has_extra_processors:
                 seen, history = seen_mask(history, logits.shape[-1]), None
         prompt_lens = [s.prompt_len for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]  # [T]
@@ -227,26 +226,3 @@ def _as_decode_rows(segments: list[Segment]) -> list[Segment]:
     decode step: each row's logits are bit-identical to what the plain step computes for it
     (`model_runner.ROW_MULTIPLE`), so verification emits exactly plain decoding's tokens on real models too."""
     return [replace(seg, start_pos=seg.start_pos + j, tokens=[t]) for seg in segments for j, t in enumerate(seg.tokens)]
-
-
-def _to_host(v: Verified, raw: torch.Tensor | None):
-    """One device->host copy per step: tokens (exact in float64), log-probs, raw log-probs (or None) and accepted
-    counts together."""
-    k1 = v.tokens.shape[1]
-    parts = [v.tokens.double(), v.logprobs.double()] + ([raw.double()] if raw is not None else [])
-    rows = torch.cat([*parts, v.num_accepted[:, None].double()], 1).tolist()
-    toks = [[int(t) for t in r[:k1]] for r in rows]
-    raws = [r[2 * k1 : 3 * k1] for r in rows] if raw is not None else None
-    return toks, [r[k1 : 2 * k1] for r in rows], raws, [int(r[-1]) for r in rows]
-
-
-def _history_rows(seqs, drafts) -> torch.Tensor:
-    """[T, L] context token ids of every verified row (row j of a sample also sees drafts d_1..d_j), -1 padded."""
-    rows = []
-    for s, d in zip(seqs, drafts):
-        base = s.group.prompt_ids + s.output_ids
-        rows.extend(base + d[:j] for j in range(len(d) + 1))
-    out = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
