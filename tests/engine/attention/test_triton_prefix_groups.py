@@ -82,14 +82,14 @@ def test_static_step_keys_and_metadata_carry_the_group_bucket(monkeypatch):
     the CPU stand-in) carry group buckets 2 then 1, the kernels get the same count, and the tokens equal the torch
     backend's."""
     keys, counts = [], []
-    args_of = StaticDecoder._args
+    inputs_of = StaticDecoder._inputs
 
-    def spy_args(self, padded, captured):
-        args, key = args_of(self, padded, captured)
+    def spy_inputs(self, padded, captured):
+        x, key = inputs_of(self, padded, captured)
         keys.append(key)
-        return args, key
+        return x, key
 
-    monkeypatch.setattr(StaticDecoder, "_args", spy_args)
+    monkeypatch.setattr(StaticDecoder, "_inputs", spy_inputs)
     monkeypatch.setattr(tb, "prefix_splits", lambda *args: counts.append(args[-1]) or tiles.prefix_splits(*args))
     model = tiny_model("qwen3")
     prompts, forced = [[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]], [[3, 3], [7, 7]]

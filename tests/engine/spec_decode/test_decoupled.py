@@ -10,12 +10,12 @@ from test_spec_engine import _chi2_pvalue, _exact_triples, _ModelOracle
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.spec_decode import register_drafter
+from trl_infinite.engine.spec_decode.decoupled import DecoupledStep
 from trl_infinite.engine.spec_decode.plan import (
     COUPLED,
     DECOUPLED,
     Plan,
 )
-from trl_infinite.engine.spec_decode.step import SpeculativeStep
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 30, 31]]
 MAX_NEW = 32
@@ -299,13 +299,14 @@ def test_a_replan_that_resumes_speculation_drafts_only_into_reserved_slots(model
                                                speculative_decoupled=True, speculative_reconfigure_every=3))
     engine.generate(PROMPTS, 2, sp)  # profiles the step times: the plan is made from the next call's first step
     steps = []  # (draft slots reserved, most drafts verified by a row) per step
-    propose = SpeculativeStep._verify_step
+    draft = DecoupledStep._draft
 
-    def recorded(self, batch, seqs, proposals):
+    def recorded(self, batch):
+        proposals = draft(self, batch)
         steps.append((batch.lookahead, max(len(p.tokens) for p in proposals)))
-        return propose(self, batch, seqs, proposals)
+        return proposals
 
-    monkeypatch.setattr(SpeculativeStep, "_verify_step", recorded)
+    monkeypatch.setattr(DecoupledStep, "_draft", recorded)
     out = engine.generate(PROMPTS, 2, sp)
     assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in PROMPTS for _ in range(2)]
     assert out.stats.draft_tokens > 0 and any(k == 0 for k, _ in steps)  # idle stretches and drafting ones

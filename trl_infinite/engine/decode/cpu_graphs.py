@@ -38,6 +38,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -240,26 +241,18 @@ class GraphEmulator:
         size = sum(sum(g.pool.values()) for g in self._graphs)
         return PoolMemory(size, size)
 
-    @contextlib.contextmanager
-    def _host_reads_refused(self, recorder: _Recorder) -> Iterator[None]:
-        originals = {name: getattr(torch.Tensor, name) for name in _HOST_METHODS}
-
-        def refused(name):
-            original = originals[name]
-
+    def _host_reads_refused(self, recorder: _Recorder) -> contextlib.ExitStack:
+        def refused(name, original):
             def method(t, *args, **kwargs):
                 if self._recording is recorder and not _in_kernel[0]:
                     raise recorder.refuse("host_sync", f"Tensor.{name}() reads device data on the host")
                 return original(t, *args, **kwargs)
             return method
 
+        stack = contextlib.ExitStack()
         for name in _HOST_METHODS:
-            setattr(torch.Tensor, name, refused(name))
-        try:
-            yield
-        finally:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, original)
+            stack.enter_context(mock.patch.object(torch.Tensor, name, refused(name, getattr(torch.Tensor, name))))
+        return stack
 
 
 _in_kernel = [False]  # inside a recorded Triton launch: the interpreter's own host copies are not the step's
@@ -291,11 +284,8 @@ def _triton_launches_recorded(recorder: _Recorder) -> Iterator[None]:
         recorder.record_kernel(launch, args, kwargs)
         return out
 
-    setattr(owner, attr, run)
-    try:
+    with mock.patch.object(owner, attr, run):
         yield
-    finally:
-        setattr(owner, attr, original)
 
 
 @contextlib.contextmanager

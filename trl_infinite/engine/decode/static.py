@@ -92,12 +92,11 @@ class StaticDecoder(DecodeStep):
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.pool.block_size
-        # CUDA graphs on CUDA; off CUDA, the CPU stand-in while `graph_emulation.emulate_cuda_graphs` is active
+        # CUDA graphs on CUDA; off CUDA, the CPU stand-in while `cpu_graphs.emulate_cuda_graphs` is active
         runtime = graph_runtime(self.device) if cuda_graphs else None
         self.graphs = None if runtime is None else StepGraphs(runtime, runner.pool, self.block_size,
                                                                        padded_count(max_graph_rows, runner.row_multiple))
-        # kernels whose work follows each row's length read the whole tables; a gathering backend only the columns
-        # in use
+        # kernels whose work follows each row's length read whole tables; a gathering backend only the columns used
         self.full_tables = not runner.backend.gathers_columns
         # only the torch backend's cascade decode on CPU reads the group slots (see `metadata.with_context`), and not
         # where the C++ kernel serves every layer (`attention/cpu_decode.py`; `ModelRunner.cascade_decode`);

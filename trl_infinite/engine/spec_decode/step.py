@@ -51,12 +51,19 @@ class SpeculativeStep(DecodeStep):
 
     # ------------------------------------------------------------------ one step
     def launch(self, batch: ScheduledBatch) -> Pending:
-        """Draft, verify in one forward: each row's accepted drafts + correction/bonus token (see `StepOutput`)."""
+        """Draft, verify in one forward: each row's accepted drafts + correction/bonus token (see `StepOutput`).
+        Without any draft to verify, the plain static step (where the call has one)."""
         seqs = batch.decode
         proposals = self._draft(batch)
-        ahead = self._launch_ahead(seqs, [p.tokens for p in proposals])
+        drafts = [p.tokens for p in proposals]
+        ahead = self._launch_ahead(seqs, drafts)
         try:
-            out = self._verify_step(batch, seqs, proposals)
+            if any(drafts) or self.ctx.decoder is None:
+                out = self._verify_step(batch, seqs, proposals)
+            else:
+                t0 = time.perf_counter()
+                out = replace(self.ctx.decoder.launch(batch)(), hidden=None, rows=None)  # (no hidden states here)
+                self._observe(seqs, drafts, [0] * len(seqs), time.perf_counter() - t0)
         except BaseException:
             self._join_ahead(ahead, keep=False)  # the drafter thread is idle again before the error leaves
             raise
@@ -79,11 +86,6 @@ class SpeculativeStep(DecodeStep):
 
     def _verify_step(self, batch: ScheduledBatch, seqs: list[Sequence], proposals: list[Proposal]) -> Decoded:
         drafts = [p.tokens for p in proposals]
-        if not any(drafts) and self.ctx.decoder is not None:  # nothing to verify: the plain static step
-            t0 = time.perf_counter()
-            decoded = self.ctx.decoder.launch(batch)()
-            self._observe(seqs, drafts, [0] * len(seqs), time.perf_counter() - t0)
-            return replace(decoded, hidden=None, rows=None)  # (the length predictor's hidden states: not here)
         if self.ctx.decoder is not None:  # this step appends tokens the static rows do not see: rebuild them next
             self.ctx.decoder.invalidate()
         start = [s.num_tokens - 1 for s in seqs]
