@@ -2,11 +2,12 @@
 
 A tiny random Qwen3 on CPU runs `RolloutEngine.generate` once per path: `static` (the default config: the static
 decode step), `eager` (a `generation_kwargs` processor: the eager decode forward) and `speculative` (an n-gram drafter:
-the verification forward). A forward pre-hook on the model records `inspect.stack()` at every forward; the first
-forward of a decode step (no `_prefill` frame in its stack) is printed: each frame from `RolloutEngine.generate` down
-to the one that calls the model, as (function, file), with the count of frames and of distinct files. Frames of torch
-and of the standard library in between (`nn.Module.__call__`, `contextlib`) are shown but not counted: the count is
-the project's own frames (`trl_infinite/`).
+the verification forward) and `graphs` (`cuda_graphs=True` on the CPU stand-in: the step that captures a bucket's
+graph; a replay runs no Python). A forward pre-hook on the model records `inspect.stack()` at every forward; of the
+decode forwards (no `_prefill` frame in the stack) the longest path is printed: the frames between
+`RolloutEngine.generate` and the model's forward (both excluded; torch's module-call frames excluded), as
+(function, file), with the count of frames and of distinct files. `compile=True` is not measured: Dynamo would trace
+the hook, and a compiled step calls no Python forward.
 
     PYTHONPATH=. python benchmarks/decode_path.py [--path static|eager|speculative ...] [--json]
 """
@@ -45,14 +46,14 @@ def _is_forward_call(frame: inspect.FrameInfo) -> bool:
 
 
 def _path(stack: list[inspect.FrameInfo]) -> list[tuple[str, str]] | None:
-    """(function, file) of the frames of `stack` (innermost first) from `RolloutEngine.generate` down to the one that
+    """(function, file) of the frames of `stack` (innermost first) below `RolloutEngine.generate` down to the one that
     calls the model, outermost first; None for a forward outside `generate` or of a prefill."""
     stack = stack[::-1]
     top = next((i for i, f in enumerate(stack) if f.function == "generate" and f.filename.startswith(PACKAGE)), None)
     if top is None or any(f.function == "_prefill" for f in stack):
         return None
     bottom = max(i for i in range(len(stack) - 1) if not _is_forward_call(stack[i]) and _is_forward_call(stack[i + 1]))
-    return [(f.function, f.filename) for f in stack[top : bottom + 1]]
+    return [(f.function, f.filename) for f in stack[top + 1 : bottom + 1]]
 
 
 def decode_path(name: str) -> list[tuple[str, str]]:
@@ -98,8 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(out, indent=1))
         return out
     for name, s in out.items():
-        print(f"{name}: {s['frames']} frames over {s['files']} files of trl_infinite/ "
-              f"({s['all_frames']} frames with torch / stdlib ones)")
+        print(f"{name}: {s['frames']} frames over {s['files']} files between RolloutEngine.generate and the model "
+              f"forward ({s['all_frames']} with frames outside trl_infinite/)")
         for line in s["path"]:
             print(f"    {line}")
     return out

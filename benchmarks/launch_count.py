@@ -14,7 +14,7 @@ the batch. This script counts them on the CPU, on random weights at a model's re
 
 Per layer = (count at L2 layers - count at L1) / (L2 - L1); the rest of the step function (embedding, final norm,
 LM head, sampler, metadata) = its count at L1 - L1 x per layer; `outside` = the step's kernels outside the step
-function (`StaticDecoder._run`, what a CUDA graph captures): launched one by one from the host on every step even
+function (`StaticDecoder._step`, compiled: `CompiledStep.__call__`; what a CUDA graph captures): launched one by one from the host on every step even
 with graphs on (uploads of joining rows, table copies, read-back); `at N layers` = rest + outside + N x per layer
 (N: the config's depth). Counts are means over the call's decode steps (the first step uploads every row).
 
@@ -37,6 +37,7 @@ if "--backend" in sys.argv and "triton" in sys.argv[sys.argv.index("--backend"):
 from common import Table, pick_device, run_header, write_results  # noqa: E402
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from trl_infinite.engine.decode.compiled import CompiledStep  # noqa: E402
 from trl_infinite.engine.decode.static import StaticDecoder  # noqa: E402
 from trl_infinite.testing.model_zoo import model_config  # noqa: E402
 
@@ -138,16 +139,18 @@ def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[floa
         return engine.generate([prompt.tolist()], n, sampling, forced_lengths=[[new] * n]).stats
 
     run()  # warm-up (and compilation)
-    original, original_run = StaticDecoder.launch, StaticDecoder._run
+    # the step function as `StaticDecoder.launch` calls it: `_step` eager, the compiled dispatch compiled
+    owner, name = (StaticDecoder, "_step") if mode == "eager" else (CompiledStep, "__call__")
+    original, original_run = StaticDecoder.launch, getattr(owner, name)
     steps = [0]
     if mode == "eager":
         counter = _Count()
         restore = _count_triton(counter)
 
-        def launch(self, batch, stats):
+        def launch(self, batch):
             steps[0] += 1
             with counter:
-                finish = original(self, batch, stats)
+                finish = original(self, batch)
                 return _finish_counted(finish, counter)
 
         def step_fn(self, *a, **k):
@@ -157,32 +160,36 @@ def count_step(args, layers: int, mode: str, backend: str, device) -> tuple[floa
             finally:
                 counter.inside = False
 
-        StaticDecoder.launch, StaticDecoder._run = launch, step_fn
+        StaticDecoder.launch = launch
+        setattr(owner, name, step_fn)
         try:
             run()
         finally:
-            StaticDecoder.launch, StaticDecoder._run = original, original_run
+            StaticDecoder.launch = original
+            setattr(owner, name, original_run)
             if restore:
                 restore()
         return sum(counter.ops.values()) / steps[0], sum(counter.outside.values()) / steps[0], counter.ops
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def launch(self, batch, stats):
+    def launch(self, batch):
         steps[0] += 1
         with record_function("decode_step"):
-            finish = original(self, batch, stats)
+            finish = original(self, batch)
             return finish
 
     def step_fn(self, *a, **k):
         with record_function("step_fn"):
             return original_run(self, *a, **k)
 
-    StaticDecoder.launch, StaticDecoder._run = launch, step_fn
+    StaticDecoder.launch = launch
+    setattr(owner, name, step_fn)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
     finally:
-        StaticDecoder.launch, StaticDecoder._run = original, original_run
+        StaticDecoder.launch = original
+        setattr(owner, name, original_run)
     ops: Counter = Counter()
     outside: Counter = Counter()
     for event in prof.events():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,7 +109,7 @@ class StepGraphs:
     def _capture(self, args: Args, run: Callable[[Args], Any], record: Callable[[Args], Any]) -> _Captured:
         with capture_lock:  # no drafter-thread forward meanwhile (`cuda_graphs.capture_lock`)
             self._warm_up(args, run)
-            graph, outputs = self.runtime.capture(lambda: record(args))
+            graph, outputs = self.runtime.capture(partial(record, args))
         self.captures += 1
         self._memory = self.runtime.pool_memory()
         return _Captured(graph, outputs, args)
@@ -124,7 +125,7 @@ class StepGraphs:
         try:
             for _ in range(2):
                 warm = args._replace(inputs=_copy(args.inputs), seen=None if args.seen is None else _copy(args.seen))
-                self.runtime.warmup(lambda warm=warm: run(warm))
+                self.runtime.warmup(partial(run, warm))
         finally:
             for (k, v), (sk, sv) in zip(zip(pool.k_caches, pool.v_caches), saved):
                 k.index_copy_(0, slots, sk)
