@@ -10,7 +10,7 @@ processors and the inverse-CDF draw. Nothing in `_step` reads device data on the
   `EngineConfig.cuda_graph_max_batch` rows.
 The step's inputs are named (`StepInputs`), and so is its compile key. The host's work per step is
 `DecodeRows.update` (incremental, non-blocking uploads) and one copy of the sampled tokens and log-probabilities
-back (`step.pack`, `step.ReadBack`: into a flat pinned buffer, without blocking the host).
+back (`step.pack`, `step.ReadBack`: into pinned memory, without blocking the host).
 """
 
 from __future__ import annotations
@@ -106,7 +106,6 @@ class StaticDecoder(DecodeStep):
         self.sampler: Sampler | None = None
         self.want_hidden = False
         self.seed = torch.zeros((), dtype=torch.long, device=self.device)
-        self._host: torch.Tensor | None = None  # flat pinned read-back buffer (CUDA)
         self.stats = RolloutStats()  # the call's (`begin`)
         self._fingerprint: tuple = ()
         self._compiled: CompiledStep | None = None
@@ -208,10 +207,7 @@ class StaticDecoder(DecodeStep):
             with self.runner.routed():
                 out = self._step(x) if self._compiled is None else self._compiled(self._compile_key(x), x)
         packed, hidden = out  # [padded, 2 or 3] float64
-        if packed.is_cuda and (self._host is None or self._host.numel() < packed.numel()):
-            self._host = torch.empty(max(packed.numel(), 3 * self.rows.capacity), dtype=torch.float64,
-                                     pin_memory=True)
-        read = ReadBack(packed, self._host)
+        read = ReadBack(packed, non_blocking=True)
         t2 = time.perf_counter()
 
         def finish():

@@ -1,5 +1,5 @@
-"""The decode-step protocol (`DecodeStep`) and what every step shares: the call's `StepContext`, sampling keys and
-context rows, the one read-back of a step's results (`pack`, `ReadBack`) and the eager step.
+"""The decode-step protocol (`DecodeStep`) and what every step shares: the call's `StepContext` (sampling with keys and
+context rows), the one read-back of a step's results (`pack`, `ReadBack`), the sample segment and the eager step.
 
 A step is `launch(batch) -> complete`: `launch` starts the decode forward over `batch.decode` and returns the
 function that waits for it and gives the step's `Decoded`. Three steps implement it: the static step
@@ -130,15 +130,14 @@ def pack(*parts: torch.Tensor) -> torch.Tensor:
 
 
 class ReadBack:
-    """The one device->host copy of a step's packed results. With `pinned` (a flat pinned float64 buffer) the copy
-    of a CUDA tensor is non-blocking (contiguous into pinned memory: no pageable temporary), so the host is free
-    until `wait`; otherwise `rows` copies when called."""
+    """The one device->host copy of a step's packed results. `non_blocking`: a CUDA tensor is copied into pinned
+    memory (PyTorch's caching host allocator; contiguous to contiguous, no pageable temporary) without blocking the
+    host until `wait`; otherwise `rows` copies when called."""
 
-    def __init__(self, packed: torch.Tensor, pinned: torch.Tensor | None = None):
+    def __init__(self, packed: torch.Tensor, non_blocking: bool = False):
         self.host, self.done = packed, None
-        if packed.is_cuda and pinned is not None:
-            self.host = pinned[: packed.numel()].view(packed.shape)
-            self.host.copy_(packed, non_blocking=True)
+        if packed.is_cuda and non_blocking:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True).copy_(packed, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
 
