@@ -1,5 +1,5 @@
 """The decode-step protocol (`DecodeStep`) and what every step shares: the call's `StepContext` (sampling with keys and
-context rows), the one read-back of a step's results (`pack`, `ReadBack`), the sample segment and the eager step.
+context rows), the one read-back of a step's results (`pack`, `ReadBack`) and the eager step.
 
 A step is `launch(batch) -> complete`: `launch` starts the decode forward over `batch.decode` and returns the
 function that waits for it and gives the step's `Decoded`. Three steps implement it: the static step
