@@ -316,16 +316,15 @@ class RolloutEngine:
             processors = GenerationProcessors(self.model, sampling, self.device, max_new)
         sampler = Sampler(sampling, processors)
         prefix = PrefixCapture(call.hidden_predictor) if call.hidden_predictor is not None else None
-        decoder = None  # extra processors run eagerly, row by row: the static step runs the built-in ones only
-        if not sampler.has_extra_processors:
-            bs, decoder = self.pool.block_size, self.decoder
-            capacity = call.mode.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
-            decoder.begin(sampler, sampling.seed, capacity=min(capacity, self.pool.num_blocks),
-                          prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
-                          own_blocks=blocks_for(max_new + self._lookahead_cap(), bs), want_hidden=prefix is not None,
-                          stats=call.stats)
+        decoder = None if sampler.has_extra_processors else self.decoder  # extra processors: the eager step
         ctx = StepContext(self.runner, sampler, sampling.seed, call.stats, self.config.max_prefill_tokens, decoder,
                           prefix)
+        if decoder is not None:
+            bs = self.pool.block_size
+            capacity = call.mode.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
+            decoder.begin(ctx, capacity=min(capacity, self.pool.num_blocks),
+                          prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
+                          own_blocks=blocks_for(max_new + self._lookahead_cap(), bs))
         step = self.speculator.begin(ctx, sampling) if self.speculator is not None else decoder or EagerStep(ctx)
         return ModelExecutor(ctx, step)
 

@@ -28,7 +28,7 @@ from trl_infinite.engine.decode.cuda_graphs import PoolMemory, graph_runtime
 from trl_infinite.engine.decode.graphs import StepGraphs
 from trl_infinite.engine.decode.output_capture import install_capturing_hooks
 from trl_infinite.engine.decode.rows import DecodeRows
-from trl_infinite.engine.decode.step import DecodeStep, Pending, ReadBack, one_token, pack
+from trl_infinite.engine.decode.step import DecodeStep, Pending, ReadBack, StepContext, one_token, pack
 from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.engine.runner.model_runner import ModelRunner, padded_count
 from trl_infinite.engine.runner.sampler import Sampler, row_keys, seed_base
@@ -120,11 +120,10 @@ class StaticDecoder(DecodeStep):
             self._compiled = CompiledStep(self._step, compile_backend, options)
 
     # ------------------------------------------------------------------ per call
-    def begin(self, sampler: Sampler, seed: int, capacity: int, prompt_blocks: int, own_blocks: int,
-              want_hidden: bool, stats: RolloutStats | None = None) -> None:
-        """Prepare for one `generate` call: the rows' capacity and table widths, the sampler, the seed, the call's
-        stats."""
-        self.stats = stats if stats is not None else RolloutStats()
+    def begin(self, ctx: StepContext, capacity: int, prompt_blocks: int, own_blocks: int) -> None:
+        """Prepare for one `generate` call: the rows' capacity and table widths, and from `ctx` the sampler, the seed,
+        the stats and whether hidden states are wanted (`ctx.prefix`)."""
+        sampler, seed, want_hidden, self.stats = ctx.sampler, ctx.seed, ctx.prefix is not None, ctx.stats
         vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
         cap = bucket_sizes(capacity, self.runner.row_multiple)[-1]
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
@@ -166,8 +165,8 @@ class StaticDecoder(DecodeStep):
         here, with a warning, before any rollout (`StepGraphs.give_up`)."""
         if not self.use_graphs:
             return
-        self.begin(Sampler(SamplingParams(temperature=0.0)), 0, capacity=1, prompt_blocks=1, own_blocks=1,
-                   want_hidden=False)
+        self.begin(StepContext(self.runner, Sampler(SamplingParams(temperature=0.0)), 0, RolloutStats(), 0, self),
+                   capacity=1, prompt_blocks=1, own_blocks=1)
         try:
             self.graphs.replay(("check",), self._inputs(1, captured=True)[0], lambda x: self._run(x, False),
                                lambda x: self._record(x, compiled=False))
