@@ -16,6 +16,7 @@ back (`step.pack`, `step.ReadBack`: into pinned memory, without blocking the hos
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -168,8 +169,8 @@ class StaticDecoder(DecodeStep):
         self.begin(StepContext(self.runner, Sampler(SamplingParams(temperature=0.0)), 0, RolloutStats(), 0, self),
                    capacity=1, prompt_blocks=1, own_blocks=1)
         try:
-            self.graphs.replay(("check",), self._inputs(1, captured=True)[0], lambda x: self._run(x, False),
-                               lambda x: self._record(x, compiled=False))
+            uncompiled = partial(self._run, compiled=False)
+            self.graphs.replay(("check",), self._inputs(1, captured=True)[0], uncompiled, uncompiled)
         finally:
             self._clear_graphs()
             self.rows = self.sampler = None
@@ -200,7 +201,7 @@ class StaticDecoder(DecodeStep):
         out = None
         if captured:
             before = self.graphs.captures
-            out = self.graphs.replay(key, x, self._run, self._record)
+            out = self.graphs.replay(key, x, self._run, partial(self._run, capture=True))
             stats.graph_captures += self.graphs.captures - before
         if out is None:
             with self.runner.routed():
@@ -250,12 +251,16 @@ class StaticDecoder(DecodeStep):
                        tables[2] if self.cascade_slots else None, groups)
         return x, (padded, pcols, ocols, slots, groups)
 
-    def _run(self, x: StepInputs, compiled: bool = True):
-        """The step, eager or compiled (a graph's warm-up)."""
+    def _run(self, x: StepInputs, compiled: bool = True, capture: bool = False):
+        """The step, eager or compiled (a graph's warm-up); `capture`: what a graph records (the compiled graph the
+        warm-up ran, called without entering Dynamo: nothing is traced or guarded inside a capture)."""
         with self.runner.routed():
             if self._compiled is None or not compiled:
                 return self._step(x)
-            return self._compiled(self._compile_key(x), x)
+            if not capture:
+                return self._compiled(self._compile_key(x), x)
+            entry = self._compiled.entry(self._compile_key(x))
+            return entry(x) if entry is not None else self._compiled.guarded(x)
 
     def _compile_key(self, x: StepInputs) -> tuple:
         """One compiled entry per (bucket, group slots, group count bucket, sampling settings, hidden states wanted,
@@ -266,15 +271,6 @@ class StaticDecoder(DecodeStep):
                     torch._dynamo.maybe_mark_dynamic(table, 1)
         slots = 0 if x.group_prefix is None else x.group_prefix.shape[0]
         return (x.inputs.shape[1], slots, x.groups, self.sampler.params_key, self.want_hidden, x.seen is None)
-
-    def _record(self, x: StepInputs, compiled: bool = True):
-        """What a graph captures: the step, compiled when `compile` is on (the compiled graph the warm-up ran, called
-        without entering Dynamo: nothing is traced or guarded inside a capture)."""
-        with self.runner.routed():
-            if not compiled or self._compiled is None:
-                return self._step(x)
-            entry = self._compiled.entry(self._compile_key(x))
-            return entry(x) if entry is not None else self._compiled.guarded(x)
 
     def _step(self, x: StepInputs):
         """The static region: the rows' state in; the sampled tokens and their log-probs packed into one [N, 2]
