@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from trl_infinite.engine.decode.static import StaticDecoder
-from trl_infinite.engine.decode.step import DecodeStep, EagerStep, ReadBack, context_rows, one_token, pack
+from trl_infinite.engine.decode.step import DecodeStep, EagerStep, ReadBack, one_token, pack, padded_rows
 from trl_infinite.engine.spec_decode.decoupled import DecoupledStep
 from trl_infinite.engine.spec_decode.step import SpeculativeStep
 
 
-def test_context_rows_are_minus_one_padded():
-    assert context_rows([[4, 5, 6], [7], [8, 9]]).tolist() == [[4, 5, 6], [7, -1, -1], [8, 9, -1]]
+def test_padded_rows_are_minus_one_padded():
+    assert padded_rows([[4, 5, 6], [7], [8, 9]]).tolist() == [[4, 5, 6], [7, -1, -1], [8, 9, -1]]
 
 
 def test_one_read_back_keeps_token_ids_exact_and_maps_rows():

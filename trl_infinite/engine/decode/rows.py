@@ -27,6 +27,7 @@ from collections import Counter
 
 import torch
 
+from trl_infinite.engine.decode.step import padded_rows
 from trl_infinite.engine.sched.sequence import Sequence
 
 
@@ -219,7 +220,4 @@ class DecodeRows:
                 self._slot_rows.pop()
 
     def _table(self, lists: list[list[int]], cols: int) -> torch.Tensor:
-        out = torch.full((len(lists), cols), self.null_block, dtype=torch.long)
-        for i, blocks in enumerate(lists):
-            out[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return upload(out, self.device)
+        return upload(padded_rows(lists, self.null_block, cols), self.device)

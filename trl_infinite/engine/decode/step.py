@@ -105,7 +105,7 @@ class StepContext:
         (needed by the repetition penalty)."""
         seen = history = None
         if self.sampler.uses_context:
-            history = context_rows(contexts).to(self.device)
+            history = padded_rows(contexts).to(self.device)
             if not self.sampler.has_extra_processors:
                 seen, history = seen_mask(history, logits.shape[-1]), None
         dev = self.device
@@ -115,11 +115,13 @@ class StepContext:
         return self.sampler.sample(processed, keys, logits)
 
 
-def context_rows(contexts: list[list[int]]) -> torch.Tensor:
-    """[N, L] token ids of each row's context, -1 padded (on the host)."""
-    out = torch.full((len(contexts), max(len(c) for c in contexts)), -1, dtype=torch.long)
-    for i, c in enumerate(contexts):
-        out[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+def padded_rows(lists: list[list[int]], fill: int = -1, width: int | None = None) -> torch.Tensor:
+    """[N, width] (default: the longest list) of `lists` padded with `fill`, on the host: each row's context (token
+    ids, -1 padded) or block table (null-block padded)."""
+    width = max(len(r) for r in lists) if width is None else width
+    out = torch.full((len(lists), width), fill, dtype=torch.long)
+    for i, r in enumerate(lists):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
 
 

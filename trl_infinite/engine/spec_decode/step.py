@@ -17,7 +17,7 @@ import torch
 
 from trl_infinite.engine.attention import Segment
 from trl_infinite.engine.config.engine_config import SamplingParams
-from trl_infinite.engine.decode.step import Decoded, DecodeStep, Pending, ReadBack, StepContext, context_rows, pack
+from trl_infinite.engine.decode.step import Decoded, DecodeStep, Pending, ReadBack, StepContext, pack, padded_rows
 from trl_infinite.engine.runner.model_runner import sample_segment
 from trl_infinite.engine.runner.sampler import STREAM_SAMPLE, row_keys, seen_mask
 from trl_infinite.engine.sched.batch import ScheduledBatch
@@ -169,7 +169,7 @@ class SpeculativeStep(DecodeStep):
         seen = history = None
         if sampler.uses_context:
             # [T, L] context of every verified row (row j of a sample also sees drafts d_1..d_j)
-            history = context_rows([s.group.prompt_ids + s.output_ids + d[:j] for s, d in zip(seqs, drafts)
+            history = padded_rows([s.group.prompt_ids + s.output_ids + d[:j] for s, d in zip(seqs, drafts)
                                     for j in range(len(d) + 1)]).to(device)
             if not sampler.has_extra_processors:
                 seen, history = seen_mask(history, logits.shape[-1]), None
