@@ -46,8 +46,8 @@ def call_blocks(config: EngineConfig, groups: list[Group], max_new: int, lookahe
 
 @dataclass
 class RolloutCall:
-    """The scheduling side of one `generate` call (see the module docstring). `hidden_predictor`: the predictor
-    the executor delivers the hidden state at completion token k to (None: the call's policy wants none)."""
+    """One `generate` call: its scheduling side and its executor (see the module docstring). `hidden_predictor`: the
+    predictor the executor delivers the hidden state at completion token k to (None: the call's policy wants none)."""
 
     mode: SamplingMode
     scheduler: Scheduler
