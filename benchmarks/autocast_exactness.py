@@ -32,7 +32,7 @@ import torch
 from common import Table, pick_device, run_header, write_results
 
 from trl_infinite.engine import EngineConfig, RolloutEngine, SamplingParams
-from trl_infinite.engine import exactness as E
+from trl_infinite.engine.model import exactness as E
 from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.model.support import verdict
 from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference

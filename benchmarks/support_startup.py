@@ -27,7 +27,7 @@ SETTINGS = ("float32", "bf16 weights", "bf16 autocast")
 
 
 def seconds(model, setting: str, repeats: int, additions: bool) -> float:
-    from trl_infinite.engine import support
+    from trl_infinite.engine.model import support
 
     saved = support._float32_decision, support.length_dependent_rope
     if not additions:

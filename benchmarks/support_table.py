@@ -62,7 +62,7 @@ def decide(model, setting: str) -> str:
     if setting in ("bf16 weights", "bf16 replica"):
         model = model.to(torch.bfloat16)
     if setting == "bf16 replica":
-        from trl_infinite.engine import replica
+        from trl_infinite.engine.model import replica
 
         limit, replica.FLOAT32_COPY_MAX_PARAMS = replica.FLOAT32_COPY_MAX_PARAMS, 0
     try:

@@ -102,7 +102,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 def _requires_compile():
     import pytest
 
-    from trl_infinite.engine.decode.compiled import COMPILE_MIN_TORCH, compile_supported
+    from trl_infinite.engine.config.engine_config import COMPILE_MIN_TORCH, compile_supported
 
     return pytest.mark.skipif(not compile_supported(),
                               reason=f"compile=True needs torch >= {'.'.join(map(str, COMPILE_MIN_TORCH))}")

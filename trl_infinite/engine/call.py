@@ -1,14 +1,14 @@
-"""One rollout call, built the same way by the engine and the simulator.
+"""One rollout call, built the same way by the engine and the simulator: they differ only by the executor factory.
 
     need = call_blocks(config, groups, max_new, lookahead)      # the KV blocks the call can use
     allocator = ...  # the engine: its pool opened with `pool_size(need)` blocks (never above the budget);
                      # the simulator: a `BlockAllocator` of the same size
-    call = RolloutCall.build(config, groups, allocator, predictor)
-    stats = call.run(executor, ...)                              # the drive loop (`loop.py`)
+    call = RolloutCall.build(config, groups, allocator, predictor, make_executor)
+    stats = call.run(...)                                        # the drive loop (`loop.py`)
 
-`build` makes the call's sampling mode, ordering and admission policies (by name, from `config.scheduling`) and its
-scheduler; `run` drives it with the executor (the model, or the trace replayer) and fills the call's `RolloutStats`.
-The engine's and the simulator's calls differ only by their executor.
+`build` makes the call's sampling mode, ordering and admission policies (by name, from `config.scheduling`), its
+scheduler and its executor (`make_executor(call)`: the engine's model executor, `engine.py`; the simulator's trace
+replayer, `sim/replay.py`); `run` drives it and fills the call's `RolloutStats`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from trl_infinite.engine.sched.predictors.base import LengthPredictor
 from trl_infinite.engine.sched.scheduler import Scheduler
 from trl_infinite.engine.sched.sequence import Group, Sequence
 from trl_infinite.engine.sched.slot_modes import SamplingMode
+
+ExecutorFactory = Callable[["RolloutCall"], Executor]  # what the engine's and the simulator's calls differ by
 
 
 def sampling_mode(config: EngineConfig) -> SamplingMode:
@@ -44,21 +46,23 @@ def call_blocks(config: EngineConfig, groups: list[Group], max_new: int, lookahe
 
 @dataclass
 class RolloutCall:
-    """The scheduling side of one `generate` call (see the module docstring). `hidden_predictor`: the predictor
-    the executor delivers the hidden state at completion token k to (None: the call's policy wants none)."""
+    """One `generate` call: its scheduling side and its executor (see the module docstring). `hidden_predictor`: the
+    predictor the executor delivers the hidden state at completion token k to (None: the call's policy wants none)."""
 
     mode: SamplingMode
     scheduler: Scheduler
     predictor: LengthPredictor
     hidden_predictor: LengthPredictor | None
     stats: RolloutStats
+    executor: Executor | None = None
 
     @classmethod
-    def build(cls, config: EngineConfig, groups: list[Group], allocator: BlockAllocator,
-              predictor: LengthPredictor, copy_slots: Callable[[list[int], list[int]], None] | None = None,
+    def build(cls, config: EngineConfig, groups: list[Group], allocator: BlockAllocator, predictor: LengthPredictor,
+              make_executor: ExecutorFactory, copy_slots: Callable[[list[int], list[int]], None] | None = None,
               cache_completions: bool = False) -> RolloutCall:
-        """`copy_slots`, `cache_completions`: the scheduler's prefix-cache options (`Scheduler`); the allocator
-        carries the cache itself, if any."""
+        """`make_executor(call)`: the call's executor, made once the rest of the call is built; `copy_slots`,
+        `cache_completions`: the scheduler's prefix-cache options (`Scheduler`); the allocator carries the cache
+        itself, if any."""
         scheduling = config.scheduling
         mode = sampling_mode(config)
         policy = SCHEDULERS.build(scheduling.scheduler, scheduling, predictor, mode.slot_limit)
@@ -69,12 +73,14 @@ class RolloutCall:
                               cache_completions)
         scheduler.submit(groups, samples)
         uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden
-        return cls(mode, scheduler, predictor, predictor if uses else None, stats)
+        call = cls(mode, scheduler, predictor, predictor if uses else None, stats)
+        call.executor = make_executor(call)
+        return call
 
-    def run(self, executor: Executor, on_finished: Callable[[Sequence], None] | None = None,
+    def run(self, on_finished: Callable[[Sequence], None] | None = None,
             on_decode_step: StepTimer | None = None) -> RolloutStats:
         """Drive the call to its end; the stats then also hold the block and prediction counters."""
-        drive(self.scheduler, executor, self.stats, on_finished, on_decode_step)
+        drive(self.scheduler, self.executor, self.stats, on_finished, on_decode_step)
         allocator, stats = self.scheduler.allocator, self.stats
         stats.generated_tokens = sum(s.num_generated for s in self.scheduler.finished)
         stats.peak_kv_blocks = allocator.peak_used

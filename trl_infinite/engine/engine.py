@@ -5,26 +5,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
 from trl_infinite.engine.call import RolloutCall, call_blocks, sampling_mode
 from trl_infinite.engine.config.engine_config import EngineConfig, SamplingParams
-from trl_infinite.engine.config.generation_checks import check_generation_ids
-from trl_infinite.engine.config.inputs import check_eos, check_prompts, model_vocab_size
+from trl_infinite.engine.config.inputs import check_eos, check_prompts, check_request, model_vocab_size, text_config
 from trl_infinite.engine.config.logits import GenerationProcessors
 from trl_infinite.engine.decode.cuda_graphs import graphs_available
 from trl_infinite.engine.decode.static import StaticDecoder, static_step_bytes
-from trl_infinite.engine.decode.step import EagerStep, PrefixCapture, StepContext
+from trl_infinite.engine.decode.step import EagerStep, StepContext
 from trl_infinite.engine.executor import ModelExecutor
 from trl_infinite.engine.loop import StepTimer
 from trl_infinite.engine.model.guard import model_guard
-from trl_infinite.engine.model.support import check_support
+from trl_infinite.engine.model.support import build_runner, check_support
 from trl_infinite.engine.outputs import RolloutResult, RolloutStats
 from trl_infinite.engine.runner.autocast import autocast_dtype, describe
 from trl_infinite.engine.runner.eval_mode import eval_mode
-from trl_infinite.engine.runner.kv_pool import KVCachePool
-from trl_infinite.engine.runner.model_runner import ModelRunner
 from trl_infinite.engine.runner.sampler import Sampler
 from trl_infinite.engine.runner.weight_copy import build_weight_copy
 from trl_infinite.engine.runner.weight_state import WeightTracker
@@ -45,8 +43,7 @@ class RolloutEngine:
     calls only within a run of `keep_pool=True` calls, or where `kv_cache_reuse_across_calls=True` declares that the
     caller reports every weight change with `reset_prefix_cache()` (`weight_state.py`).
 
-    The KV pool is allocated once, at construction, from `config`'s budget and reused by every `generate` call.
-    Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
+    The KV pool is sized for each call within `config`'s budget (`kv_memory.py`). Construction first checks that the engine runs the model exactly (`support.check_support`) and raises
     `ValueError` naming the unsupported feature otherwise. `generate` runs the model in eval mode.
 
     Autocast: the engine runs the model under the autocast state it is built under (an enclosing `torch.autocast`,
@@ -61,8 +58,7 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         # when the prefix cache and the weight copy were computed with weights that may have changed since
         self.weights = WeightTracker(model, self.config.kv_cache.reuse_across_calls)
-        param = next(model.parameters())
-        self.device = param.device
+        self.device = next(model.parameters()).device
         self.autocast = autocast_dtype(self.device.type)  # the enclosing state every `generate` must match
         decode = self.config.decode
         with model_guard(model, "RolloutEngine(model)"):  # the probe switches attention and mode for a moment
@@ -75,12 +71,9 @@ class RolloutEngine:
                                                  self.vocab_size, stable)
         # the largest captured batch: the slot limit, or `cuda_graph_max_batch` where none bounds the batch
         # (`full_group`, `dynamic_slot`); its step's memory is reserved for the graphs' pool
-        slots = sampling_mode(self.config).slot_limit
-        graph_rows = min(slots or decode.cuda_graph_max_batch, decode.cuda_graph_max_batch)
-        reserve = 0
-        if self.device.type == "cuda" and decode.cuda_graphs:
-            reserve = static_step_bytes(model.config, graph_rows)
-        self.graph_reserve = reserve
+        graph_rows = min(sampling_mode(self.config).slot_limit or decode.cuda_graph_max_batch, decode.cuda_graph_max_batch)
+        graphs = self.device.type == "cuda" and decode.cuda_graphs
+        self.graph_reserve = static_step_bytes(model.config, graph_rows) if graphs else 0
         # the speculator first: a draft model is checked like the model (`spec_decode/draft_check.py`) and its pool,
         # mirroring the target's blocks, is paid for by the same budget
         self.history = PromptHistory(self.config.history)  # per-prompt, across calls; `history.clear()` forgets it
@@ -91,16 +84,13 @@ class RolloutEngine:
             self.speculator = Speculator(self.config, self.device, history=self.history, target=model,
                                          target_support=self.support)
         draft_bytes = self.speculator.draft_block_bytes(self.config.block_size) if self.speculator is not None else 0
+        self.lookahead = self.speculator.max_tokens if self.speculator is not None else 0  # draft slots per sample
         # sized for each call from what it needs (never above the budget) and released after it unless
         # `kv_cache_release=False` (`_generate`); at fixed addresses where decode steps are captured, so the graphs
         # outlive the release (`kv_memory.py`)
-        self.pool = KVCachePool(self.support.kv, self.config, dtype=self.support.kv_dtype, device=self.device,
-                                reserve_bytes=self._reserve_bytes(), allocate=False, stable=stable,
-                                companion_block_bytes=draft_bytes)
-        self.runner = ModelRunner(model, self.pool, self.support.attention_backend or decode.attention_backend,
-                                  self.support.layers,
-                                  cpu_decode_kernel=self.support.decode_kernel,
-                                  capture_models=self.support.capture_models)
+        self.runner = build_runner(model, self.config, self.support, reserve_bytes=self._reserve_bytes(),
+                                   allocate=False, stable=stable, companion_block_bytes=draft_bytes)
+        self.pool = self.runner.pool
         self.decoder = StaticDecoder(self.runner, compile=decode.compile, cuda_graphs=decode.cuda_graphs,
                                      compile_backend=decode.compile_backend, max_graph_rows=graph_rows)
         if self.decoder.use_graphs:  # a step that cannot be captured turns graphs off here, with a warning
@@ -110,25 +100,18 @@ class RolloutEngine:
                     self.decoder.check_capture()
                 finally:
                     self.pool.release()
-        self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_model_len = getattr(text_config(model), "max_position_embeddings", None)
         # one length predictor per engine: it keeps learning from every call's finished samples
         self.predictor = build_predictor(self.config.scheduling, self.history)
 
     # ------------------------------------------------------------------ validation
-    def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
-        if not isinstance(num_generations, int) or isinstance(num_generations, bool) or num_generations < 1:
-            raise ValueError(f"`num_generations` must be an integer >= 1, got {num_generations!r}.")
+    def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                      forced_lengths: list[list[int]] | None) -> int:
+        max_new = check_request(prompt_ids, num_generations, sampling.max_new_tokens, self.max_model_len, forced_lengths)
         check_eos(sampling.eos_token_ids, self.vocab_size)
-        max_new = sampling.max_new_tokens
-        if max_new is None:
-            if self.max_model_len is None:
-                raise ValueError("`max_new_tokens` is None and the model config has no `max_position_embeddings`.")
-            max_new = self.max_model_len - max(len(p) for p in prompt_ids)
-            if max_new < 1:
-                raise ValueError("a prompt fills the model's `max_position_embeddings`: no room to generate.")
         bs, pool_blocks = self.pool.block_size, self.pool.budget_blocks()
         for i, p in enumerate(prompt_ids):
-            need = blocks_for(len(p), bs) + blocks_for(max_new + self._lookahead_cap(), bs)
+            need = blocks_for(len(p), bs) + blocks_for(max_new + self.lookahead, bs)
             if need > pool_blocks:
                 raise ValueError(
                     f"prompt {i} ({len(p)} tokens) plus one completion of up to {max_new} tokens needs {need} KV "
@@ -151,13 +134,6 @@ class RolloutEngine:
         """Taken out of a `kv_cache_fraction` budget first: the captured step's memory and the weight copy's bytes
         not yet allocated (a held copy is no longer in the free memory the budget is read from)."""
         return self.graph_reserve + (self.weight_copy.pending_bytes if self.weight_copy is not None else 0)
-
-    def _draft_model(self) -> torch.nn.Module | None:
-        """The draft model, held with the model for each call (`model_guard`): another engine's call on it waits."""
-        return self.speculator.draft_model if self.speculator is not None else None
-
-    def _lookahead_cap(self) -> int:
-        return self.speculator.max_tokens if self.speculator is not None else 0
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -198,9 +174,12 @@ class RolloutEngine:
         self._check_autocast()
         self.pool.reserve_bytes = self._reserve_bytes()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size)
-        max_new = self._check_inputs(prompt_ids, num_generations, sampling)
-        processors = self._processors(sampling, prompt_ids, max_new)
-        with model_guard(self.model, also=self._draft_model()), torch.inference_mode(), eval_mode(self.model):
+        max_new = self._check_inputs(prompt_ids, num_generations, sampling, forced_lengths)
+        processors = GenerationProcessors.for_call(self.model, sampling, self.device, max_new,
+                                                   [len(p) for p in prompt_ids], self.vocab_size)
+        # the draft model is held with the model (`model_guard`): another engine's call on it waits
+        draft = self.speculator.draft_model if self.speculator is not None else None
+        with model_guard(self.model, also=draft), torch.inference_mode(), eval_mode(self.model):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
                                   on_decode_step, keep_pool, processors)
 
@@ -225,31 +204,25 @@ class RolloutEngine:
         a `keep_pool=True` run), or within such a run. Cheap: nothing is freed or recomputed until the next call."""
         self.weights.changed()
 
-    def _generate(
-        self,
-        prompt_ids: list[list[int]],
-        num_generations: int,
-        sampling: SamplingParams,
-        max_new: int,
-        forced_lengths: list[list[int]] | None,
-        on_sample_finished: FinishCallback | None,
-        on_decode_step: StepTimer | None = None,
-        keep_pool: bool = False,
-        processors: GenerationProcessors | None = None,
-    ) -> RolloutResult:
+    def _generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams, max_new: int,
+                  forced_lengths: list[list[int]] | None, on_sample_finished: FinishCallback | None,
+                  on_decode_step: StepTimer | None = None, keep_pool: bool = False,
+                  processors: GenerationProcessors | None = None) -> RolloutResult:
         """The body of `generate` on validated inputs, with the model in eval mode, in inference mode (no autograd
         bookkeeping: several percent of a host-bound step)."""
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        groups = self._make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths)
+        eos = frozenset(sampling.eos_token_ids)
+        groups = [make_group(i, p, num_generations, max_new, eos, forced_lengths[i] if forced_lengths else None)
+                  for i, p in enumerate(prompt_ids)]
         keep = keep_pool or not self.config.kv_cache.release
         try:
             if self.weights.begin_call():  # the weights may have changed: nothing computed from them is valid
                 self.pool.drop_cache()
                 if self.weight_copy is not None:
                     self.weight_copy.invalidate()
-            self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self._lookahead_cap())))
+            self.pool.open(pool_size(call_blocks(self.config, groups, max_new, self.lookahead)))
             with self.weight_copy.active() if self.weight_copy is not None else nullcontext():
                 result = self._run_call(groups, sampling, max_new, start, on_sample_finished, on_decode_step, keep,
                                         processors)
@@ -262,17 +235,16 @@ class RolloutEngine:
 
     def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step,
                   keep: bool, processors: GenerationProcessors | None = None) -> RolloutResult:
-        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, self.pool.copy_slots,
-                                 cache_completions=keep)
-        stats = call.stats
-        executor = self._executor(call, sampling, groups, max_new, processors)
+        executors = partial(self._executor, sampling=sampling, groups=groups, max_new=max_new, processors=processors)
+        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, executors,
+                                 self.pool.copy_slots, cache_completions=keep)
         finished = None
         if on_sample_finished is not None:
             def finished(seq: Sequence) -> None:
                 on_sample_finished(seq.group_id, seq.sample_idx, list(seq.output_ids))
         ended = False
         try:
-            call.run(executor, on_finished=finished, on_decode_step=on_decode_step)
+            call.run(on_finished=finished, on_decode_step=on_decode_step)
             if self.pool.allocator.num_used:  # every sample finished: each block must have been given back
                 raise RuntimeError(f"{self.pool.allocator.num_used} KV blocks still held after every sample "
                                    "finished (scheduler bug).")
@@ -281,65 +253,36 @@ class RolloutEngine:
             self.pool.zero()  # NaN K/V left in blocks would leak into later calls through masked reads (0 * NaN)
             raise
         finally:  # also on error / KeyboardInterrupt: nothing of this call stays held until the next one
-            executor.close()
+            call.executor.close()
             self.decoder.end()
             self.pool.reset(keep_cache=ended)  # an interrupted call's registered blocks may never have been written
             self.predictor.end_call()
-        self._fill_stats(stats, start)
+        self._fill_stats(call.stats, start)
         remember_visits(self.history, groups)
         seqs = [s for g in groups for s in g.samples]
         return RolloutResult(
             completion_ids=[s.output_ids for s in seqs],
             logprobs=[s.logprobs for s in seqs],
-            stats=stats,
+            stats=call.stats,
             finish_reasons=[s.finish_reason for s in seqs],
             raw_logprobs=[s.raw_logprobs for s in seqs] if sampling.raw_logprobs_temperature is not None else None,
         )
 
     # ------------------------------------------------------------------ helpers
-    def _processors(self, sampling: SamplingParams, prompt_ids: list[list[int]],
-                    max_new: int) -> GenerationProcessors | None:
-        """`generate`'s logits processors of `sampling.generation_kwargs` (None without any), built for every
-        prompt length of the call before it starts: their ids checked against the vocabulary and their own argument
-        checks run now, not at the step that first uses them (`generation_checks.py`)."""
-        if not sampling.generation_kwargs:
-            return None
-        check_generation_ids(sampling.generation_kwargs, self.vocab_size)
-        processors = GenerationProcessors(self.model, sampling, self.device, max_new)
-        for n in sorted({len(p) for p in prompt_ids}):
-            processors.for_prompt(n)
-        return processors
-
     def _executor(self, call: RolloutCall, sampling: SamplingParams, groups: list[Group], max_new: int,
-                  processors: GenerationProcessors | None = None):
-        if processors is None and sampling.generation_kwargs:
-            processors = GenerationProcessors(self.model, sampling, self.device, max_new)
+                  processors: GenerationProcessors | None = None) -> ModelExecutor:
+        """The engine's executor factory (`call.py`): the model executor of `call`."""
         sampler = Sampler(sampling, processors)
-        prefix = PrefixCapture(call.hidden_predictor) if call.hidden_predictor is not None else None
         decoder = None if sampler.has_extra_processors else self.decoder  # extra processors: the eager step
         ctx = StepContext(self.runner, sampler, sampling.seed, call.stats, self.config.max_prefill_tokens, decoder,
-                          prefix)
+                          call.hidden_predictor)
         if decoder is not None:
-            bs = self.pool.block_size
-            capacity = call.mode.slot_limit or min(sum(g.num_generations for g in groups), self.pool.num_blocks)
-            decoder.begin(ctx, capacity=min(capacity, self.pool.num_blocks),
+            bs, slots = self.pool.block_size, call.mode.slot_limit or sum(g.num_generations for g in groups)
+            decoder.begin(ctx, capacity=min(slots, self.pool.num_blocks),
                           prompt_blocks=max(blocks_for(g.prompt_len, bs) for g in groups),
-                          own_blocks=blocks_for(max_new + self._lookahead_cap(), bs))
+                          own_blocks=blocks_for(max_new + self.lookahead, bs))
         step = self.speculator.begin(ctx, sampling) if self.speculator is not None else decoder or EagerStep(ctx)
         return ModelExecutor(ctx, step)
-
-    @staticmethod
-    def _make_requests(prompt_ids, num_generations, sampling, max_new, forced_lengths) -> list[Group]:
-        if forced_lengths is not None:
-            if len(forced_lengths) != len(prompt_ids) or any(len(f) != num_generations for f in forced_lengths):
-                raise ValueError("`forced_lengths` must be a list of one list of G lengths per prompt.")
-            if any(n < 1 for f in forced_lengths for n in f):
-                raise ValueError("`forced_lengths` entries must be >= 1.")
-        eos = frozenset(sampling.eos_token_ids)
-        return [
-            make_group(i, p, num_generations, max_new, eos, forced_lengths[i] if forced_lengths is not None else None)
-            for i, p in enumerate(prompt_ids)
-        ]
 
     def _fill_stats(self, stats: RolloutStats, start: float) -> None:
         """The engine's own counters (the scheduler's were recorded by `drive`)."""

@@ -46,8 +46,7 @@ class ModelExecutor:
 
         def complete() -> StepOutput:
             decoded = pending()
-            if self.ctx.prefix is not None:
-                self.ctx.prefix.deliver(batch.decode, decoded)
+            self.ctx.deliver_hidden(batch.decode, decoded)
             out.tokens, out.logprobs, out.raw_logprobs = decoded.tokens, decoded.logprobs, decoded.raw_logprobs
             return out
 

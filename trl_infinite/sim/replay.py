@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trl_infinite.engine.call import RolloutCall, call_blocks, sampling_mode
+from trl_infinite.engine.call import ExecutorFactory, RolloutCall, call_blocks, sampling_mode
 from trl_infinite.engine.config.engine_config import EngineConfig
 from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
@@ -156,6 +156,13 @@ def _budget_blocks(config: EngineConfig, groups: list[Group], max_new: int) -> i
     return sum(blocks_for(g.prompt_len, bs) for g in groups) + live * blocks_for(max_new, bs)
 
 
+def _executors(custom: TraceExecutor | None, features: dict | None, prompt_index: dict[int, int],
+               step_ms: tuple[float, float]) -> ExecutorFactory:
+    """The simulator's executor factory (`call.py`): `custom`, else a `TraceExecutor` delivering hidden states to
+    the call's predictor (`RolloutCall.hidden_predictor`)."""
+    return lambda call: custom or TraceExecutor(call.hidden_predictor, features, prompt_index, step_ms)
+
+
 def simulate(
     records: list[TraceRecord],
     config: SimConfig,
@@ -182,10 +189,10 @@ def simulate(
         need = pool_size(call_blocks(engine, groups, max_new, lookahead))
         blocks = max(1, min(need, _budget_blocks(engine, groups, max_new + lookahead)))
         cache = PrefixCache(engine.block_size) if engine.prefix_cache else None  # the engine's, within one call
-        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size, cache), predictor)
-        executor = custom or TraceExecutor(call.hidden_predictor, features, index, config.step_ms)
-        stats = call.run(executor)
-        executor.end_call(stats)
+        call = RolloutCall.build(engine, groups, BlockAllocator(blocks, engine.block_size, cache), predictor,
+                                 _executors(custom, features, index, config.step_ms))
+        stats = call.run()
+        call.executor.end_call(stats)
         seqs = [s for g in groups for s in g.samples]
         out.calls.append(stats)
         out.epochs.append(chunk[0].epoch)

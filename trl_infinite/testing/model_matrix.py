@@ -21,6 +21,7 @@ import os
 import re
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +73,8 @@ def forward_greedy(model, prompt: list[int], eos: int | None) -> list[int]:
 def early_eos(model, ps: list[list[int]]) -> int | None:
     """A token greedy decoding emits after the first step on some prompt but not on all (an early EOS)."""
     full = [reference(model, p, None) for p in ps]
-    seen = {}
-    for row in full:
-        for t in row[1:]:
-            seen[t] = seen.get(t, 0) + 1
-    for t, _ in sorted(seen.items(), key=lambda kv: -kv[1]):
+    seen = Counter(t for row in full for t in row[1:])
+    for t, _ in seen.most_common():
         if any(t not in row for row in full):
             return t
     return max(seen, key=seen.get) if seen else None
@@ -119,13 +117,13 @@ def check_model(model_type: str, head_dim: int = SIZES["head_dim"]) -> Row:
     try:
         model = build_tiny_model(model_type, size=sizes(head_dim))
     except Exception as exc:  # noqa: BLE001
-        return Row(model_type, "not built", f"{type(exc).__name__}: {_short(exc)}")
+        return Row(model_type, "not built", _short(exc))
     ps = prompts()
     try:
         with torch.no_grad():
             model(torch.tensor([ps[0]]), use_cache=False)
     except Exception as exc:  # noqa: BLE001
-        return Row(model_type, "not built", f"its own forward fails: {type(exc).__name__}: {_short(exc)}")
+        return Row(model_type, "not built", f"its own forward fails: {_short(exc)}")
     engines = []
     for block in BLOCK_SIZES:
         for mode in MODES:
@@ -136,20 +134,19 @@ def check_model(model_type: str, head_dim: int = SIZES["head_dim"]) -> Row:
             except ValueError as exc:
                 return Row(model_type, "refused", str(exc))
             except Exception as exc:  # noqa: BLE001
-                return Row(model_type, "engine error", f"building the engine: {type(exc).__name__}: {_short(exc)}")
+                return Row(model_type, "engine error", f"building the engine: {_short(exc)}")
     try:
         eos = early_eos(model, ps)
         refs = [reference(model, p, eos) for p in ps]
     except Exception as exc:  # noqa: BLE001
-        return Row(model_type, "not built", f"accepted, but `model.generate` fails: {type(exc).__name__}: "
-                   f"{_short(exc)}")
+        return Row(model_type, "not built", f"accepted, but `model.generate` fails: {_short(exc)}")
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[eos] if eos is not None else [])
     want = [r for r in refs for _ in range(G)]
     for name, engine in engines:
         try:
             got = engine.generate(ps, G, sampling).completion_ids
         except Exception as exc:  # noqa: BLE001
-            return Row(model_type, "engine error", f"{name}: {type(exc).__name__}: {_short(exc)}")
+            return Row(model_type, "engine error", f"{name}: {_short(exc)}")
         if got != want:
             bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             detail = f"{name}, prompt {bad // G}: engine {got[bad]}, generate {want[bad]}"
@@ -163,7 +160,7 @@ def check_model(model_type: str, head_dim: int = SIZES["head_dim"]) -> Row:
 
 
 def _short(exc: BaseException, n: int = 160) -> str:
-    return " ".join(str(exc).split())[:n]
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())[:n]
 
 
 def causal_lm_types() -> list[str]:
@@ -238,8 +235,7 @@ def markdown(rows: list[Row], head_dim: int = SIZES["head_dim"]) -> str:
 
     counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
     lines = [
-        INTRO.rstrip("\n"),
-        "",
+        INTRO.rstrip("\n"), "",
         f"`python -m trl_infinite.testing.model_matrix"
         f"{'' if head_dim == SIZES['head_dim'] else f' --head-dim {head_dim}'} --out docs/models.md` (transformers "
         f"{transformers.__version__}, torch {torch.__version__}, CPU, float32) builds every causal-LM model type of "

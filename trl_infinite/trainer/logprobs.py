@@ -21,6 +21,8 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
+from trl_infinite.engine.config.inputs import text_config
+
 # most bytes of one [tokens, vocab columns] tile of the projection (CPU; on CUDA TRL's own tile sizes). TRL's CPU fold
 # of a tile (torch ops, no Triton) makes about 7 temporaries of the tile's size in the backward, which runs first
 # in a backward slice, beside the checkpointed activations (and, after the first slice, the whole gradient).
@@ -41,7 +43,7 @@ class HeadSpec:
     def from_model(cls, model: torch.nn.Module, temperature: float, cast_lm_head_to_fp32: bool) -> HeadSpec:
         """`add_fused_lm_head`'s reading of the config: final logit soft-cap; the logit multiplier (`logit_scale`,
         `output_multiplier`, `lm_head_multiplier`, 1 / `logits_scaling`, or `logits_scaling` for HyperCLOVA X)."""
-        cfg = model.config.get_text_config()
+        cfg = text_config(model)
         scale = getattr(cfg, "logit_scale", None)
         if scale is None:
             scale = getattr(cfg, "output_multiplier", None)

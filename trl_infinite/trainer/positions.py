@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from trl_infinite.engine.config.inputs import text_config
+
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # `dynamic_rope_update`'s rope types
 
 
@@ -42,7 +44,7 @@ def length_dependent_rope(model: torch.nn.Module) -> str | None:
     found = [t for m in model.modules() for t in _rope_types(getattr(m, "rope_type", None))]
     cfg = getattr(model, "config", None)
     if cfg is not None:
-        cfg = cfg.get_text_config()
+        cfg = text_config(cfg)
         for key in ("rope_parameters", "rope_scaling"):
             found += _rope_types(getattr(cfg, key, None))
     for rope_type in found:

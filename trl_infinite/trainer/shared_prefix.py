@@ -40,7 +40,7 @@ import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
 from trl_infinite.engine.attention import LayerSpec, attention_configs, temperature_tuned
-from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.config.inputs import model_vocab_size, text_config
 from trl_infinite.engine.model.exactness import RoundingBound, is_16bit
 from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.model.support import UnsupportedModelError, check_structure, model_name, probe_length, verdict
@@ -174,7 +174,7 @@ class SharedPrefixForward:
 def _structure(model: torch.nn.Module, outer: torch.nn.Module | None) -> tuple[torch.Tensor, dict[int, LayerSpec]]:
     """Steps 1 and 2 of the contract: (the probe tokens, the layer specs the routing probe found)."""
     originals = {c._attn_implementation for c in attention_configs(model)}
-    if model.config.get_text_config() is not model.config:
+    if text_config(model) is not model.config:
         raise SharedPrefixUnsupported("it is not a text-only causal LM")
     rope = length_dependent_rope(model)
     if rope is not None:

@@ -6,7 +6,8 @@ The readers are found in the source (every module under `trl_infinite/`, CUDA-on
 read `x.<name>` where `x` is known to be the setting's section, from an annotation (`config: SchedulingConfig`), an
 assignment from something known (`decode = self.config.decode`, `self.config = config`) or a class field
 (`engine: EngineConfig`). A section's properties (`SchedulingConfig.max_batch`) count as reads of what they read.
-`engine/config/engine_config.py` and `engine/config/sections.py` declare and validate the settings and are not readers.
+`engine/config/engine_config.py`, `engine/config/scheduling.py` and `engine/config/sections.py` declare and validate the
+settings and are not readers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from trl_infinite.engine import EngineConfig
 from trl_infinite.engine.config.sections import Section, flags
 
 PKG = Path(trl_infinite.__file__).parent
-DECLARING = {"engine/config/engine_config.py", "engine/config/sections.py"}
+DECLARING = {"engine/config/engine_config.py", "engine/config/scheduling.py", "engine/config/sections.py"}
 
 
 def _sections(cls: type) -> dict[str, type]:
@@ -227,7 +228,8 @@ def test_every_setting_refuses_a_bad_value_naming_its_flag(flag):
 def test_sections_and_flags_build_the_same_config():
     """Flat flags, nested sections, or sections with flags on top: one config; a wrong name is a `TypeError` with the
     closest flag."""
-    from trl_infinite.engine.config.engine_config import KVCacheConfig, SchedulingConfig, SLAConfig
+    from trl_infinite.engine.config.engine_config import KVCacheConfig
+    from trl_infinite.engine.config.scheduling import SchedulingConfig, SLAConfig
 
     flat = EngineConfig(kv_cache_tokens=512, batch_policy="sla", sla_decode_ms=5.0, sla_window=2, block_size=8)
     nested = EngineConfig(kv_cache=KVCacheConfig(tokens=512), block_size=8,
@@ -307,3 +309,13 @@ def test_speculative_draft_model_must_be_a_module_or_a_path(value):
     with pytest.raises(ValueError, match=r"`speculative_draft_model` must be a `torch.nn.Module`, a local path"):
         EngineConfig(speculative_method="draft_model", speculative_draft_model=value)
     EngineConfig(speculative_method="draft_model", speculative_draft_model="some/local-path")  # loaded by the engine
+
+
+def test_compile_is_refused_on_a_torch_too_old_for_it(monkeypatch):
+    import trl_infinite.engine.config.engine_config as ec
+
+    assert ec.compile_supported("2.9.0") and ec.compile_supported("2.13.0+cpu") and not ec.compile_supported("2.8.1")
+    monkeypatch.setattr(ec, "compile_supported", lambda: False)
+    with pytest.raises(ValueError, match="needs torch >= 2.9"):
+        EngineConfig(compile=True)
+    EngineConfig(compile=False)  # the uncompiled step runs on every supported torch

@@ -225,3 +225,14 @@ def test_forced_eos_with_max_new_tokens_none_forces_it_at_the_models_limit():
                         generation_kwargs={"forced_eos_token_id": 2, "min_new_tokens": 24})
     (out,) = engine.generate([[5, 6, 7]], 1, sp).completion_ids
     assert len(out) == 25 and out[-1] == 2 and 2 not in out[:-1]
+
+
+def test_text_config_of_a_model_a_config_and_a_multimodal_config():
+    from transformers import LlavaConfig
+
+    from trl_infinite.engine.config.inputs import text_config
+
+    model = tiny_model("qwen3")
+    assert text_config(model) is model.config and text_config(model.config) is model.config
+    llava = LlavaConfig()
+    assert text_config(llava) is llava.text_config is not llava  # the language model's part of a multimodal config

@@ -29,7 +29,8 @@ CPU = torch.device("cpu")
 
 
 def _call(cfg: EngineConfig) -> RolloutCall:
-    return RolloutCall.build(cfg, [], BlockAllocator(8, cfg.block_size), build_predictor(cfg.scheduling))
+    return RolloutCall.build(cfg, [], BlockAllocator(8, cfg.block_size), build_predictor(cfg.scheduling),
+                             lambda call: None)  # built, not run: no executor needed
 
 
 def test_every_scheduler_batch_policy_and_sampling_mode_is_built_from_config():

@@ -172,3 +172,19 @@ def test_the_weight_copy_is_refreshed_after_an_unseen_route(route, declared):
         assert torch.equal(copy._copies[id(model.lm_head.weight)], model.lm_head.weight.to(torch.bfloat16))
         fresh = _engine(model, weight_copy="off").generate(PROMPTS, 2, GREEDY)
     assert got.completion_ids == fresh.completion_ids and got.logprobs == fresh.logprobs
+
+
+def test_the_address_fingerprint_ignores_values_and_sees_moved_storage():
+    # `versions=False` is what a captured / compiled step depends on (`decode/static.py`): addresses, not values
+    from trl_infinite.engine.runner.weight_state import weights_fingerprint
+
+    model = tiny_model("llama")
+    extra = torch.zeros(4)
+    before, by_version = weights_fingerprint(model, extra, versions=False), weights_fingerprint(model, extra)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # in place: same address, a new version
+    assert weights_fingerprint(model, extra, versions=False) == before
+    assert weights_fingerprint(model, extra) != by_version
+    assert weights_fingerprint(model, torch.zeros(4), versions=False) != before  # an extra tensor moved (a new pool)
+    next(model.parameters()).data = next(model.parameters()).data.clone()  # moved storage (ZeRO-3 gather)
+    assert weights_fingerprint(model, extra, versions=False) != before

@@ -34,8 +34,10 @@ def finish_order(records, scheduler, slots=1, predictor="oracle"):
     groups = _requests(records, 64)
     cfg = EngineConfig(sampling_mode="fixed_slot", scheduler=scheduler, max_active_sequences=slots,
                        length_predictor=predictor)
-    call = RolloutCall.build(cfg, groups, BlockAllocator(200, 4), build_predictor(cfg.scheduling))
-    call.run(TraceExecutor(None, None, {g.group_id: g.group_id for g in groups}))
+    index = {g.group_id: g.group_id for g in groups}
+    call = RolloutCall.build(cfg, groups, BlockAllocator(200, 4), build_predictor(cfg.scheduling),
+                             lambda call: TraceExecutor(None, None, index))
+    call.run()
     return [(s.group_id, s.sample_idx) for s in call.scheduler.finished]
 
 

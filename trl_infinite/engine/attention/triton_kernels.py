@@ -15,20 +15,16 @@ heads) over its own blocks, split into SPLITS chunks; split 0 starts its online 
 prefix partials:
 
     state after the prefix: m = max_z lse_z, l = sum_z 2^(lse_z - m), acc = sum_z o_z 2^(lse_z - m)
-
-(o = sum_j p_j v_j / l, lse = m + log2 l). With SPLITS > 1, `_merge_kernel` merges the suffix partials.
+    (o = sum_j p_j v_j / l, lse = m + log2 l); with SPLITS > 1, `_merge_kernel` merges the suffix partials.
 
 Scores are kept in log2 units so `exp2` can be used throughout: s = scale * <q, k> (natural units), soft-capped
-as `softcap * tanh(s / softcap)` when SOFTCAP, then multiplied by log2(e).
-
-Head dims of any width: keys are multiplied in DK_CHUNKS chunks of BLOCK_DK columns (576 = 9 x 64 for MLA's
-latent + rope keys, no padding to 1024), the query of one chunk reloaded per KV tile when there are several (it stays
-in L1); values are accumulated whole (BLOCK_DV = the next power of two), so the row tiles shrink as Dv grows.
+as `softcap * tanh(s / softcap)` when SOFTCAP, then multiplied by log2(e). of any width: keys are multiplied in DK_CHUNKS chunks of BLOCK_DK columns (576 = 9 x 64 for MLA's latent + rope
+keys, no padding to 1024), the query of one chunk reloaded per KV tile when there are several (it stays in L1); values
+are accumulated whole (BLOCK_DV = the next power of two), so the row tiles shrink as Dv grows.
 
 The dot products run in the dtype CAST selects: 0 the pool's (bf16 / fp16 use tensor cores; fp32 with PRECISION
 'ieee' or 'tf32'), 1 bf16, 2 fp16 (the autocast dtype, for an fp32 pool under autocast: tensor cores, and the
 rounding the model's own matmuls have), 3 fp32 'ieee' (Triton's CPU interpreter computes bf16 dots wrongly).
-
 `row_class` (the batch's size class, `triton_tiles.row_class`) is not read by the kernels: it is part of the
 autotuner's key, so a configuration timed at one row is not reused at 256.
 
@@ -293,10 +289,9 @@ def _merge_kernel(
 
 
 def _interpreter_range(*bounds) -> builtins.range:
-    """`range` of the kernels' loops with device-data bounds under Triton's CPU interpreter. The interpreter holds a
-    scalar as a one-element numpy array, and Triton 3.6's `__index__` is `int(array)`: a TypeError since numpy 2.4
-    (only 0-d arrays convert; later Tritons squeeze first). The bounds are converted here instead; compiled kernels
-    keep the builtin `range`."""
+    """`range` of the kernels' loops under Triton's CPU interpreter, which holds a scalar as a one-element numpy
+    array whose `__index__` (Triton 3.6: `int(array)`) fails since numpy 2.4: the bounds are converted here instead;
+    compiled kernels keep the builtin `range`."""
     return builtins.range(*(int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(getattr(b, "value", b))
                             for b in bounds))
 

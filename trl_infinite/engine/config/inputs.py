@@ -21,7 +21,17 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     rows = getattr(emb, "num_embeddings", None)
     if isinstance(rows, int):
         return rows
-    return int(model.config.get_text_config().vocab_size)
+    return int(text_config(model).vocab_size)
+
+
+def text_config(model_or_config):
+    """The language model's config of a model or of a config (`get_text_config()`: a multimodal config's text part),
+    else the config itself (a config without that method, or whose text part is ambiguous)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    try:
+        return config.get_text_config()
+    except (AttributeError, ValueError):
+        return config
 
 
 def _is_int(x) -> bool:
@@ -79,6 +89,26 @@ def check_eos(eos_token_ids: list[int], vocab_size: int) -> None:
     bad = [t for t in eos_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"`eos_token_ids` holds {bad[0]}, outside the model's vocabulary [0, {vocab_size}).")
+
+
+def check_request(prompt_ids: list[list[int]], num_generations, max_new_tokens: int | None,
+                  max_model_len: int | None, forced_lengths: list[list[int]] | None) -> int:
+    """`generate`'s other arguments checked; returns the call's `max_new` (`max_new_tokens`, else what the longest
+    prompt leaves of the model's `max_position_embeddings`)."""
+    if not isinstance(num_generations, int) or isinstance(num_generations, bool) or num_generations < 1:
+        raise ValueError(f"`num_generations` must be an integer >= 1, got {num_generations!r}.")
+    if forced_lengths is not None:
+        if len(forced_lengths) != len(prompt_ids) or any(len(f) != num_generations for f in forced_lengths):
+            raise ValueError("`forced_lengths` must be a list of one list of G lengths per prompt.")
+        if any(n < 1 for f in forced_lengths for n in f):
+            raise ValueError("`forced_lengths` entries must be >= 1.")
+    if max_new_tokens is not None:
+        return max_new_tokens
+    if max_model_len is None:
+        raise ValueError("`max_new_tokens` is None and the model config has no `max_position_embeddings`.")
+    if max_model_len - max(len(p) for p in prompt_ids) < 1:
+        raise ValueError("a prompt fills the model's `max_position_embeddings`: no room to generate.")
+    return max_model_len - max(len(p) for p in prompt_ids)
 
 
 def eos_list(value) -> list[int]:

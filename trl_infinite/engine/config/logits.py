@@ -32,6 +32,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from trl_infinite.engine.config.generation_checks import check_generation_ids
+
 # `SamplingParams` fields (the fast path) and the processors `generate` builds from them
 COMMON_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
 COMMON_PROCESSORS = (
@@ -153,6 +155,20 @@ class GenerationProcessors:
         if stateful:
             raise ValueError(f"logits processors {stateful} keep state across steps; the engine cannot run them.")
         self.active = any(not isinstance(p, COMMON_PROCESSORS) for p in probe)
+
+    @classmethod
+    def for_call(cls, model: torch.nn.Module, params, device: torch.device, max_new: int, prompt_lens: list[int],
+                 vocab_size: int) -> GenerationProcessors | None:
+        """The processors of `params.generation_kwargs` (None without any), built for every prompt length of the call
+        before it starts: their ids checked against the vocabulary and their own argument checks run now, not at the
+        step that first uses them (`generation_checks.py`)."""
+        if not params.generation_kwargs:
+            return None
+        check_generation_ids(params.generation_kwargs, vocab_size)
+        processors = cls(model, params, device, max_new)
+        for n in sorted(set(prompt_lens)):
+            processors.for_prompt(n)
+        return processors
 
     def for_prompt(self, prompt_len: int) -> LogitsProcessorList:
         """The processors `generate` builds for one prompt of `prompt_len` tokens (cached per length)."""

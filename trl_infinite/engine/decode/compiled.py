@@ -30,17 +30,10 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
-COMPILE_MIN_TORCH = (2, 9)  # the oldest torch whose Dynamo was checked to trace the decode step (README)
 FAST_DISPATCH_TORCH = ((2, 13), (2, 14))  # torch versions [from, to) whose private Dynamo hooks steps 2-3 use
 RECOMPILE_LIMIT = 256  # compiled entries per step function: one per (batch bucket, sampling settings, ...)
 # Dynamo's setting for it: `recompile_limit` since torch 2.7, `cache_size_limit` before
 RECOMPILE_LIMIT_SETTING = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
-def compile_supported(version: str = torch.__version__) -> bool:
-    """Whether `compile=True` is available: older Dynamo cannot trace the step (torch 2.6: `dataclasses.replace`
-    of the attention metadata; 2.7: a data-dependent operator after a parameter update)."""
-    return TorchVersion(version) >= COMPILE_MIN_TORCH
 
 
 def fast_dispatch_supported(version: str = torch.__version__) -> bool:

@@ -123,8 +123,8 @@ class StaticDecoder(DecodeStep):
     # ------------------------------------------------------------------ per call
     def begin(self, ctx: StepContext, capacity: int, prompt_blocks: int, own_blocks: int) -> None:
         """Prepare for one `generate` call: the rows' capacity and table widths, and from `ctx` the sampler, the seed,
-        the stats and whether hidden states are wanted (`ctx.prefix`)."""
-        sampler, seed, want_hidden, self.stats = ctx.sampler, ctx.seed, ctx.prefix is not None, ctx.stats
+        the stats and whether hidden states are wanted (`ctx.predictor`)."""
+        sampler, seed, want_hidden, self.stats = ctx.sampler, ctx.seed, ctx.predictor is not None, ctx.stats
         vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
         cap = bucket_sizes(capacity, self.runner.row_multiple)[-1]
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)

@@ -61,23 +61,6 @@ class DecodeStep:
         """End of the call, on every exit path."""
 
 
-class PrefixCapture:
-    """Delivers the last hidden state at completion token k to the length predictor (`observe_hidden`)."""
-
-    def __init__(self, predictor: LengthPredictor):
-        self.predictor = predictor
-        self.k = predictor.prefix_k
-
-    def wanted(self, seqs: list[Sequence]) -> list[int]:
-        """Indices of `seqs` whose decode input is completion token k."""
-        return [i for i, s in enumerate(seqs) if s.num_generated == self.k]
-
-    def deliver(self, seqs: list[Sequence], decoded: Decoded) -> None:
-        if decoded.hidden is not None:
-            for i in self.wanted(seqs):
-                self.predictor.observe_hidden(seqs[i], decoded.hidden[decoded.rows[i]].float().cpu().numpy())
-
-
 @dataclass(frozen=True)
 class StepContext:
     """What every part of one `generate` call's steps shares (handed over at construction, never modified)."""
@@ -88,7 +71,7 @@ class StepContext:
     stats: RolloutStats
     max_prefill_tokens: int
     decoder: StaticDecoder | None  # the static decode step (rows set up for the call); None: extra processors
-    prefix: PrefixCapture | None = None  # the length predictor's hidden states, if it wants them
+    predictor: LengthPredictor | None = None  # a length predictor wanting hidden states (`observe_hidden`)
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +80,17 @@ class StepContext:
     @property
     def pool(self) -> KVCachePool:
         return self.runner.pool
+
+    def wants_hidden(self, seqs: list[Sequence]) -> list[int]:
+        """Indices of `seqs` whose decode input is completion token k (`prefix_k`) of the predictor."""
+        k = None if self.predictor is None else self.predictor.prefix_k
+        return [i for i, s in enumerate(seqs) if s.num_generated == k]
+
+    def deliver_hidden(self, seqs: list[Sequence], decoded: Decoded) -> None:
+        """The last hidden state at completion token k to the predictor (where the step returned hidden states)."""
+        if decoded.hidden is not None:
+            for i in self.wants_hidden(seqs):
+                self.predictor.observe_hidden(seqs[i], decoded.hidden[decoded.rows[i]].float().cpu().numpy())
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
                contexts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +163,7 @@ class EagerStep(DecodeStep):
     def launch(self, batch: ScheduledBatch) -> Pending:
         seqs, ctx = batch.decode, self.ctx
         segments = [sample_segment(s, s.num_tokens - 1, [s.output_ids[-1]]) for s in seqs]
-        want_hidden = ctx.prefix is not None and bool(ctx.prefix.wanted(seqs))
-        logits, hidden = ctx.runner.forward(segments, torch.arange(len(seqs)), output_hidden=want_hidden)
+        logits, hidden = ctx.runner.forward(segments, torch.arange(len(seqs)), output_hidden=bool(ctx.wants_hidden(seqs)))
         contexts = [s.group.prompt_ids + s.output_ids for s in seqs]
         tokens, logprobs = ctx.sample(logits, seqs, [s.num_tokens for s in seqs], contexts)
         decoded = one_token(ReadBack(pack(tokens, logprobs)).rows(), list(range(len(seqs))), hidden)

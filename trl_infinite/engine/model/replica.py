@@ -26,6 +26,8 @@ import copy
 
 import torch
 
+from trl_infinite.engine.config.inputs import text_config
+
 FLOAT32_COPY_MAX_PARAMS = 1_000_000_000  # 4 GB of float32 on the CPU
 REPLICA_MAX_PARAMS = 20_000_000
 REPLICA_VOCAB = 96
@@ -133,7 +135,7 @@ def _replica(model: torch.nn.Module, seed: int, rules) -> torch.nn.Module:
             if impl in ("eager", "sdpa"):
                 built.config._attn_implementation_internal = impl
             with torch.no_grad(), torch.autocast("cpu", enabled=False):
-                built(input_ids=torch.arange(1, 9)[None] % built.config.get_text_config().vocab_size,
+                built(input_ids=torch.arange(1, 9)[None] % text_config(built).vocab_size,
                       use_cache=False)
     except Float32ReferenceError:
         raise

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from trl_infinite.engine.attention import LayerSpec, allowed
+from trl_infinite.engine.config.inputs import text_config
 from trl_infinite.engine.decode.output_capture import capturing_models
 from trl_infinite.engine.model.probe import AttentionCall, ProbeRecord
 from trl_infinite.engine.runner.autocast import describe
@@ -77,13 +78,6 @@ def refusal(model: torch.nn.Module, feature: str) -> UnsupportedModelError:
         f"The rollout engine cannot run {model_name(model)} exactly: {feature}. Generate with vLLM instead "
         f"(`use_vllm=True` in the trainer) or with `model.generate`.", feature,
     )
-
-
-def text_config(model: torch.nn.Module):
-    try:
-        return model.config.get_text_config()
-    except (AttributeError, ValueError):
-        return model.config
 
 
 def verdict(model: torch.nn.Module, record: ProbeRecord) -> ModelSupport:

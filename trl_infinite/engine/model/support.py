@@ -40,7 +40,8 @@ from dataclasses import replace
 import torch
 
 from trl_infinite.engine.attention import cpu_decode
-from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.config.inputs import model_vocab_size, text_config
 from trl_infinite.engine.model.exactness import DECODE_TOKENS, exactness_problem
 from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.model.replica import Float32ReferenceError, float32_reference
@@ -55,12 +56,12 @@ from trl_infinite.engine.model.routing import (  # noqa: F401  (re-exported: the
     UnsupportedModelError,
     model_name,
     refusal,
-    text_config,
     verdict,
 )
 from trl_infinite.engine.runner.autocast import autocast_dtype, describe
 from trl_infinite.engine.runner.eval_mode import eval_mode
-from trl_infinite.engine.runner.model_runner import decode_kernel_serves
+from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.model_runner import ModelRunner, decode_kernel_serves
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,20 @@ def check_support(model: torch.nn.Module, attention_backend: str = "torch", cpu_
                                                       support.kv_dtype):
             support = replace(support, decode_kernel=_kernel_checked(model, support, attention_backend, ids))
     return support
+
+
+def build_runner(model: torch.nn.Module, config: EngineConfig, support: ModelSupport | None = None,
+                 **pool_options) -> ModelRunner:
+    """Support check -> KV pool -> model runner, for the engine's model and a draft model alike: `support` where the
+    model was checked already (else `check_support` with `config`'s attention settings); `pool_options`:
+    `KVCachePool`'s. The pool is the runner's `pool`."""
+    decode = config.decode
+    if support is None:
+        support = check_support(model, decode.attention_backend, decode.cpu_decode_kernel)
+    pool = KVCachePool(support.kv, config, dtype=support.kv_dtype, device=next(model.parameters()).device,
+                       **pool_options)
+    return ModelRunner(model, pool, support.attention_backend or decode.attention_backend, support.layers,
+                       cpu_decode_kernel=support.decode_kernel, capture_models=support.capture_models)
 
 
 def _auto_is_triton(attention_backend: str, device: torch.device) -> bool:

@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass, field
 from functools import partial
 
+import torch
 from torch import nn
 
 
@@ -39,13 +40,16 @@ def adapter_state(model: nn.Module) -> tuple:
     return tuple(out)
 
 
-def weights_fingerprint(model: nn.Module) -> tuple:
+def weights_fingerprint(model: nn.Module, *extra: torch.Tensor, versions: bool = True) -> tuple:
     """Address and in-place version of every parameter and buffer (0 for inference tensors, which have no version
     counter), and `adapter_state`: a cheap observation that sees an unfused optimizer step, an in-place update through
-    the Parameter itself, moved or replaced tensors and adapter switches, but not every route (module docstring)."""
-    tensors = tuple((t.data_ptr(), 0 if t.is_inference() else t._version)
-                    for t in (*model.parameters(), *model.buffers()))
-    return tensors, adapter_state(model)
+    the Parameter itself, moved or replaced tensors and adapter switches, but not every route (module docstring).
+    `extra`: more tensors observed alike; `versions=False`: addresses only, what a captured or compiled step depends
+    on (`decode/static.py`: it reads new values at the same addresses)."""
+    tensors = (*model.parameters(), *model.buffers(), *extra)
+    if not versions:
+        return tuple(t.data_ptr() for t in tensors), adapter_state(model)
+    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in tensors), adapter_state(model)
 
 
 def _mark_loaded(tracker: weakref.ref, module: nn.Module, incompatible_keys) -> None:

@@ -25,8 +25,8 @@ import copy
 
 import torch
 
-from trl_infinite.engine.config.inputs import model_vocab_size
-from trl_infinite.engine.model.support import ModelSupport, text_config
+from trl_infinite.engine.config.inputs import model_vocab_size, text_config
+from trl_infinite.engine.model.support import ModelSupport
 
 SPECIAL_IDS = ("eos_token_id", "bos_token_id", "pad_token_id")
 

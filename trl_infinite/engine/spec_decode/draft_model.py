@@ -17,9 +17,8 @@ import torch
 from trl_infinite.engine.attention import Segment
 from trl_infinite.engine.config.engine_config import EngineConfig, SpeculativeConfig
 from trl_infinite.engine.config.inputs import model_vocab_size
-from trl_infinite.engine.model.support import check_support
-from trl_infinite.engine.runner.kv_pool import KVCachePool
-from trl_infinite.engine.runner.model_runner import ModelRunner, last_rows
+from trl_infinite.engine.model.support import build_runner
+from trl_infinite.engine.runner.model_runner import last_rows
 from trl_infinite.engine.runner.sampler import STREAM_SAMPLE, Sampler, row_keys
 from trl_infinite.engine.sched.sequence import Sequence
 from trl_infinite.engine.spec_decode.drafter import EMPTY, DraftContext, Drafter, Proposal, register_drafter
@@ -56,15 +55,11 @@ class DraftModelDrafter(Drafter):
         blocks = context.pool_blocks
         tokens = (blocks + 1) * target.block_size if blocks is not None else (
             target.kv_cache.tokens or target.kv_cache.cpu_tokens)
-        pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=target.block_size,
-                                attention_backend=decode.attention_backend, prefix_cache=False)
-        support = context.draft_support
-        if support is None:
-            support = check_support(draft_model, decode.attention_backend, decode.cpu_decode_kernel)
+        pool_cfg = EngineConfig(kv_cache_tokens=tokens, block_size=target.block_size, prefix_cache=False,
+                                attention_backend=decode.attention_backend, cpu_decode_kernel=decode.cpu_decode_kernel)
         self.vocab = model_vocab_size(draft_model)  # ids the draft reads (a target id beyond: no drafts for the row)
-        self.pool = KVCachePool(support.kv, pool_cfg, dtype=support.kv_dtype, device=device)
-        self.runner = ModelRunner(draft_model, self.pool, decode.attention_backend, support.layers,
-                                  cpu_decode_kernel=support.decode_kernel)
+        self.runner = build_runner(draft_model, pool_cfg, context.draft_support)
+        self.pool = self.runner.pool
         self.sampler = Sampler(context.sampling)
         self.seed = context.sampling.seed
         self.device = device
