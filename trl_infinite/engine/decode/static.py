@@ -23,6 +23,7 @@ import torch
 
 from trl_infinite.engine.attention import decode_metadata
 from trl_infinite.engine.attention import triton_tiles as tiles
+from trl_infinite.engine.config.inputs import text_config
 from trl_infinite.engine.config.sampling_params import SamplingParams
 from trl_infinite.engine.decode.compiled import CompiledStep
 from trl_infinite.engine.decode.cuda_graphs import PoolMemory, graph_runtime
@@ -33,7 +34,7 @@ from trl_infinite.engine.decode.step import DecodeStep, Pending, ReadBack, StepC
 from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.engine.runner.model_runner import ModelRunner, padded_count
 from trl_infinite.engine.runner.sampler import Sampler, row_keys, seed_base
-from trl_infinite.engine.runner.weight_state import adapter_state
+from trl_infinite.engine.runner.weight_state import weights_fingerprint
 from trl_infinite.engine.sched.batch import ScheduledBatch
 
 
@@ -55,7 +56,7 @@ def static_step_bytes(model_config, rows: int) -> int:
     the Triton attention kernels (fp32, `triton_tiles`: the prompt's capped, the own tokens' at most 16 splits).
     CUDA graphs share one private memory pool, so this is the graphs' memory (reserved from a `kv_cache_fraction`
     budget; the measured figure is `RolloutStats.extra["cuda_graph_bytes"]`)."""
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    cfg = text_config(model_config)
     width = cfg.hidden_size * 8 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 3
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -125,7 +126,7 @@ class StaticDecoder(DecodeStep):
         """Prepare for one `generate` call: the rows' capacity and table widths, and from `ctx` the sampler, the seed,
         the stats and whether hidden states are wanted (`ctx.predictor`)."""
         sampler, seed, want_hidden, self.stats = ctx.sampler, ctx.seed, ctx.predictor is not None, ctx.stats
-        vocab = self.runner.model.config.get_text_config().vocab_size if sampler.uses_context else None
+        vocab = text_config(self.runner.model).vocab_size if sampler.uses_context else None
         cap = bucket_sizes(capacity, self.runner.row_multiple)[-1]
         pcols, ocols = _pow2_at_least(prompt_blocks, 1 << 30), _pow2_at_least(own_blocks, 1 << 30)
         pool = self.runner.pool
@@ -138,8 +139,7 @@ class StaticDecoder(DecodeStep):
             self.sampler, self.want_hidden = sampler, want_hidden
             self._clear_graphs()
         self.seed.fill_(seed_base(seed))
-        fingerprint = (tuple(t.data_ptr() for t in (*self.runner.model.parameters(), *self.runner.model.buffers(),
-                                                    *pool.k_caches, *pool.v_caches)), adapter_state(self.runner.model))
+        fingerprint = weights_fingerprint(self.runner.model, *pool.k_caches, *pool.v_caches, versions=False)
         # parameters gathered into new storage (ZeRO-3, FSDP), a new KV pool (sized per call), or a PEFT adapter
         # disabled / switched / merged (the captured step would run the old adapter's code path): recapture
         if fingerprint != self._fingerprint:
