@@ -23,6 +23,7 @@ from trl_infinite.engine.outputs import RolloutResult, RolloutStats
 from trl_infinite.engine.runner.autocast import autocast_dtype, describe
 from trl_infinite.engine.runner.eval_mode import eval_mode
 from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.length_model import length_regressor
 from trl_infinite.engine.runner.model_runner import ModelRunner
 from trl_infinite.engine.runner.sampler import Sampler
 from trl_infinite.engine.runner.weight_copy import build_weight_copy
@@ -111,7 +112,7 @@ class RolloutEngine:
                     self.pool.release()
         self.max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.scheduling, self.history)
+        self.predictor = build_predictor(self.config.scheduling, self.history, model_fn=length_regressor)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> int:
@@ -261,8 +262,7 @@ class RolloutEngine:
 
     def _run_call(self, groups, sampling, max_new, start, on_sample_finished, on_decode_step,
                   keep: bool, processors: GenerationProcessors | None = None) -> RolloutResult:
-        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, self.pool.copy_slots,
-                                 cache_completions=keep)
+        call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, cache_completions=keep)
         stats = call.stats
         executor = self._executor(call, sampling, groups, max_new, processors)
         finished = None

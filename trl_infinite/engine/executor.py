@@ -1,9 +1,9 @@
 """The model-backed executor of the drive loop: prefill (first tokens), then one decode forward per step.
 
 Per `ScheduledBatch`:
-1. divided rollout's host tier: KV of parked samples copied out, returning samples' KV copied back in;
+1. the batch's KV moves (`batch.moves`: divided rollout's host tier, copies) carried out by the pool;
 2. prefill of the batch's prompts (past their prefix-cache hits) and recomputes (eager, chunked to
-   `max_prefill_tokens`); the last position of
+   `max_prefill_tokens`; its layers make the partial prefix-cache hits' `PrefillCopy`s); the last position of
    each prompt gives the first token of every one of its samples that has none (all G at once);
 3. one decode forward over `batch.decode` (each row's input is its last output token): the static decoder, the
    speculative step (drafts + one verification forward) when speculation is on, or an eager forward when the
@@ -23,7 +23,7 @@ from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.engine.runner.kv_pool import KVCachePool
 from trl_infinite.engine.runner.model_runner import ModelRunner, chunk_segments, last_rows
 from trl_infinite.engine.runner.sampler import Sampler, row_keys, seen_mask
-from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.sched.batch import PrefillCopy, ScheduledBatch, StepOutput
 from trl_infinite.engine.sched.predictors.base import LengthPredictor
 from trl_infinite.engine.sched.sequence import Group, Sequence
 
@@ -97,14 +97,13 @@ class ModelExecutor:
         self.ctx = ctx
         self.prefix = prefix
         self.spec = spec  # a `spec_decode.SpeculativeStep`, or None
-        self.host_kv: dict[int, list] = {}  # divided rollout's host tier, by seq_id
 
     def lookahead(self, num_running: int) -> int:
         return self.spec.lookahead(num_running) if self.spec is not None else 0
 
     def launch(self, batch: ScheduledBatch) -> Callable[[], StepOutput]:
         """Run the step's prefills, start its decode forward, return the function that completes the step."""
-        self._swap(batch)
+        self.ctx.pool.apply(batch.moves)
         out = StepOutput()
         out.first_tokens, out.first_logprobs, out.first_raw_logprobs = self._prefill(batch)
         if not batch.decode:
@@ -132,6 +131,7 @@ class ModelExecutor:
         return complete
 
     def after_step(self, batch: ScheduledBatch) -> None:
+        self.ctx.pool.apply(batch.moves_after)  # completion caching's copies
         if self.spec is not None:
             self.spec.after_step(batch)
 
@@ -155,18 +155,12 @@ class ModelExecutor:
         tokens, logprobs, raw = to_host(*self.ctx.sample(logits, seqs, [s.num_tokens for s in seqs], contexts))
         return Decoded(tokens, logprobs, hidden, list(range(len(seqs))), raw)
 
-    def _swap(self, batch: ScheduledBatch) -> None:
-        """Divided rollout's host tier: copy parked samples' KV out (first), then returning ones back in."""
-        for seq, blocks in batch.swap_out:
-            self.host_kv[seq.seq_id] = self.ctx.pool.copy_out(blocks)
-        for seq, blocks in batch.swap_in:
-            self.ctx.pool.copy_in(blocks, self.host_kv.pop(seq.seq_id))
-
     def _prefill(self, batch: ScheduledBatch):
         """Prefill prompts and recomputes; the first token of every sample of each prefilled prompt that has none."""
         # a prompt's leading blocks found in the prefix cache are not run again (`Group.num_cached`)
+        copies = {m.group_id: list(zip(m.src, m.dst)) for m in batch.moves if isinstance(m, PrefillCopy)}
         segments = [Segment(g.prompt_len, g.prompt_blocks, [], g.num_cached, g.prompt_ids[g.num_cached:], g.group_id,
-                            g.cache_copies) for g in batch.prefill_groups]
+                            copies.get(g.group_id, [])) for g in batch.prefill_groups]
         segments += [
             Segment(s.prompt_len, s.group.prompt_blocks, s.blocks, s.prompt_len, s.output_ids[:-1], s.group_id)
             for s in batch.recompute
