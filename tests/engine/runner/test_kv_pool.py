@@ -7,7 +7,7 @@ import torch
 from _models import tiny_model
 
 from trl_infinite import EngineConfig, KVCachePool, RolloutEngine, SamplingParams
-from trl_infinite.engine.sched.batch import SlotCopy, SwapIn, SwapOut
+from trl_infinite.engine.sched.batch import SlotCopy, Swap
 from trl_infinite.engine.sched.block_manager import BlockAllocator, blocks_for, pool_size
 
 BLOCK = 4
@@ -207,9 +207,9 @@ def test_pool_layout_with_per_layer_widths():
     assert len(storage) == 1 and pool.k_caches[0].untyped_storage().nbytes() == pool.allocated_bytes
     assert all(t.is_contiguous() for t in (*pool.k_caches, *pool.v_caches))
     pool.k_caches[0][[3, 17]] = 1.0  # slots 3 (block 0) and 17 (block 1)
-    pool.apply([SwapOut(7, (0, 1))])  # the host tier: per-layer copies of whole blocks
+    pool.apply([Swap(7, (0, 1), to_host=True)])  # the host tier: per-layer copies of whole blocks
     pool.k_caches[0].zero_()
-    pool.apply([SwapIn(7, (2, 0))])  # back into other blocks: block 0's content lands in block 2, block 1's in 0
+    pool.apply([Swap(7, (2, 0), to_host=False)])  # back into other blocks: block 0's content lands in block 2, block 1's in 0
     assert pool.k_caches[0][[35, 1]].eq(1.0).all() and pool.k_caches[0].sum() == 2 * 4 * 12
     assert not pool.host  # the host copy is dropped once back
     pool.apply([SlotCopy((35, 4), (4, 5))])  # one copy reads all its sources first: slot 5 gets slot 4's old zeros

@@ -1,5 +1,5 @@
 """KV moves are orders in the scheduled batch (`sched/batch.py`), carried out by the pool (`KVCachePool.apply`):
-a partial prefix-cache hit (`PrefillCopy`), divided rollout's host tier (`SwapOut` / `SwapIn`) and completion
+a partial prefix-cache hit (`PrefillCopy`), divided rollout's host tier (`Swap`) and completion
 caching's shift onto the cache's grid (`SlotCopy`, issued by `postprocess`). With all of them in one call the output
 stays token-identical to `model.generate`, and the KV the prefix cache holds afterwards equals a fresh prefill's."""
 
@@ -11,7 +11,7 @@ from _models import reference_greedy, tiny_model
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.model.exactness import _cache_kwarg
 from trl_infinite.engine.runner.kv_pool import KVCachePool
-from trl_infinite.engine.sched.batch import PrefillCopy, SlotCopy, SwapIn, SwapOut
+from trl_infinite.engine.sched.batch import PrefillCopy, SlotCopy, Swap
 from trl_infinite.engine.sched.block_manager import BlockAllocator
 from trl_infinite.engine.sched.kv_blocks import KVBlocks
 from trl_infinite.engine.sched.prefix_cache import PrefixCache
@@ -58,8 +58,8 @@ def test_every_kv_move_is_an_order_the_pool_carries_out(monkeypatch):
     out = engine.generate(prompts, 3, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0), keep_pool=True)
     assert out.completion_ids == [reference_greedy(model, p, MAX_NEW, []) for p in prompts for _ in range(3)]
 
-    kinds = {type(m) for m in applied}
-    assert kinds == {PrefillCopy, SwapOut, SwapIn, SlotCopy}
+    kinds = {(type(m), getattr(m, "to_host", None)) for m in applied}
+    assert kinds == {(PrefillCopy, None), (Swap, True), (Swap, False), (SlotCopy, None)}
     # each order was handed over by a batch and applied once, in the batch's order
     ordered = [m for b in scheduled for m in (*b.moves, *b.moves_after)]
     assert applied == ordered
@@ -69,9 +69,9 @@ def test_every_kv_move_is_an_order_the_pool_carries_out(monkeypatch):
     assert [m.group_id for m in copies] == [g.group_id for g in first.prefill_groups[1:]]
     assert all(len(m.src) == len(m.dst) == 2 for m in copies)
     # the host tier: every block swapped out comes back once, as many blocks, before the call ends
-    outs = {m.key: len(m.blocks) for m in applied if isinstance(m, SwapOut)}
-    ins = [(m.key, len(m.blocks)) for m in applied if isinstance(m, SwapIn)]
-    assert sorted(ins) == sorted(outs.items())
+    swaps = [m for m in applied if isinstance(m, Swap)]
+    assert sorted((m.key, len(m.blocks)) for m in swaps if m.to_host) == \
+        sorted((m.key, len(m.blocks)) for m in swaps if not m.to_host)
 
     # the KV the prefix cache holds (prompts and completions, shifted onto the grid) equals a fresh prefill's
     pool, shifted = engine.pool, 0

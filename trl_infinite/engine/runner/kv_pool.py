@@ -7,7 +7,7 @@ import torch
 from trl_infinite.engine.config.engine_config import EngineConfig
 from trl_infinite.engine.runner.kv_layout import KVLayout
 from trl_infinite.engine.runner.kv_memory import ReservedRange, reserve_range
-from trl_infinite.engine.sched.batch import KVMove, SlotCopy, SwapIn, SwapOut
+from trl_infinite.engine.sched.batch import KVMove, SlotCopy, Swap
 from trl_infinite.engine.sched.block_manager import BlockAllocator
 from trl_infinite.engine.sched.prefix_cache import PrefixCache
 
@@ -259,16 +259,16 @@ class KVCachePool:
         """Carry out a batch's KV moves (`sched/batch.py`) in their order: slot copies (every source read before
         any write), and the host tier's swaps out (kept in `host` under the move's key) and back in. A `PrefillCopy`
         is not done here: the layers of the forward that prefills its prompt make it (`Segment.copies`)."""
+        caches, bs = (*self.k_caches, *self.v_caches), self.block_size
         for move in moves:
             if isinstance(move, SlotCopy):
                 src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (move.src, move.dst))
-                for t in (*self.k_caches, *self.v_caches):
+                for t in caches:
                     t[dst] = t[src]
-            elif isinstance(move, (SwapOut, SwapIn)):
-                ids = torch.tensor(move.blocks, device=self.device)
-                slots = (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
-                if isinstance(move, SwapOut):
-                    self.host[move.key] = [t[slots].cpu() for t in (*self.k_caches, *self.v_caches)]
+            elif isinstance(move, Swap):
+                slots = torch.tensor([b * bs + i for b in move.blocks for i in range(bs)], device=self.device)
+                if move.to_host:
+                    self.host[move.key] = [t[slots].cpu() for t in caches]
                 else:
-                    for t, saved in zip((*self.k_caches, *self.v_caches), self.host.pop(move.key)):
+                    for t, saved in zip(caches, self.host.pop(move.key)):
                         t[slots] = saved.to(self.device)

@@ -1,5 +1,5 @@
 """What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back), and the
-KV moves a batch orders (`SlotCopy`, `PrefillCopy`, `SwapOut`, `SwapIn`): the scheduler only describes them, the
+KV moves a batch orders (`SlotCopy`, `PrefillCopy`, `Swap`): the scheduler only describes them, the
 engine's KV pool carries them out (`KVCachePool.apply`); the simulator ignores them. Pure Python: the engine and the
 trace simulator share these classes."""
 
@@ -30,22 +30,16 @@ class PrefillCopy:
 
 
 @dataclass(frozen=True)
-class SwapOut:
-    """Divided rollout's host tier: copy the K/V of `blocks` to host memory, kept under `key` (the sample's id)."""
+class Swap:
+    """Divided rollout's host tier: `to_host`: copy the K/V of `blocks` to host memory, kept under `key` (the
+    sample's id); else write the copy kept under `key` back into `blocks` (possibly other ids) and drop it."""
 
     key: int
     blocks: tuple[int, ...]
+    to_host: bool
 
 
-@dataclass(frozen=True)
-class SwapIn:
-    """Write the host copy kept under `key` (`SwapOut`) back into `blocks` (possibly other ids) and drop it."""
-
-    key: int
-    blocks: tuple[int, ...]
-
-
-KVMove = SlotCopy | PrefillCopy | SwapOut | SwapIn
+KVMove = SlotCopy | PrefillCopy | Swap
 
 INVALID_TOKEN = -1  # an executor's token for a row whose logits were not finite (see `NonFiniteLogitsError`)
 

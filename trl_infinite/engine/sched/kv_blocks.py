@@ -1,7 +1,7 @@
 """The KV blocks of one call's prompts and samples (pure Python): a prompt's blocks with its prefix-cache hits,
 completion caching, and divided rollout's host tier.
 
-Every movement of KV it decides is an order (`batch.SlotCopy`, `PrefillCopy`, `SwapOut`, `SwapIn`) collected in
+Every movement of KV it decides is an order (`batch.SlotCopy`, `PrefillCopy`, `Swap`) collected in
 `moves`, in the order issued, for the scheduler to hand over with the step's batch; the engine's KV pool carries
 them out (`KVCachePool.apply`). Nothing here touches a tensor.
 
@@ -18,7 +18,7 @@ next turn of a tool loop prefills only what follows them.
 from __future__ import annotations
 
 from trl_infinite.engine.outputs import RolloutStats
-from trl_infinite.engine.sched.batch import KVMove, PrefillCopy, SlotCopy, SwapIn, SwapOut
+from trl_infinite.engine.sched.batch import KVMove, PrefillCopy, SlotCopy, Swap
 from trl_infinite.engine.sched.block_manager import BlockAllocator, blocks_for
 from trl_infinite.engine.sched.sequence import Group, Sequence
 
@@ -181,7 +181,7 @@ class KVBlocks:
     # ------------------------------------------------------------------ divided rollout's host tier
     def offload(self, seq: Sequence) -> None:
         """Move the KV of parked `seq` to the host tier, freeing its blocks."""
-        self.moves.append(SwapOut(seq.seq_id, tuple(seq.blocks)))
+        self.moves.append(Swap(seq.seq_id, tuple(seq.blocks), to_host=True))
         seq.host_blocks = len(seq.blocks)
         self.stats.offloaded_blocks += len(seq.blocks)
         self.allocator.free(seq.blocks)
@@ -197,5 +197,5 @@ class KVBlocks:
         if extra > 0:
             seq.blocks.extend(self.allocator.allocate(extra))
         if host:
-            self.moves.append(SwapIn(seq.seq_id, tuple(seq.blocks[:host])))
+            self.moves.append(Swap(seq.seq_id, tuple(seq.blocks[:host]), to_host=False))
         return True, extra > 0
