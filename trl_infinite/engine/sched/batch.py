@@ -1,7 +1,6 @@
-"""What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back), and the
-KV moves a batch orders (`SlotCopy`, `PrefillCopy`, `Swap`): the scheduler only describes them, the
-engine's KV pool carries them out (`KVCachePool.apply`); the simulator ignores them. Pure Python: the engine and the
-trace simulator share these classes."""
+"""What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back), with the
+KV moves the batch orders (`SlotCopy`, `PrefillCopy`, `Swap`; the engine's pool carries them out, the simulator
+ignores them). Pure Python: the engine and the trace simulator share these classes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The KV blocks of one call's prompts and samples (pure Python): a prompt's blocks with its prefix-cache hits,
 completion caching, and divided rollout's host tier.
 
-Every movement of KV it decides is an order (`batch.SlotCopy`, `PrefillCopy`, `Swap`) collected in
-`moves`, in the order issued, for the scheduler to hand over with the step's batch; the engine's KV pool carries
-them out (`KVCachePool.apply`). Nothing here touches a tensor.
+Every KV movement it decides is an order (`batch.SlotCopy`, `PrefillCopy`, `Swap`) kept in `moves` in the order
+issued, which the scheduler hands over with the step's batch (the engine's pool carries them out).
 
 With a prefix cache (`prefix_cache.py`, carried by the allocator), a prompt's leading full blocks found in the cache
 are shared instead of allocated and only the rest is prefilled (at least its last token, whose logits give the first
