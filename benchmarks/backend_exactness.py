@@ -27,10 +27,10 @@ import sys
 import torch
 from common import Table, pick_device, run_header, save_json, write_results
 
-from trl_infinite.engine.model import exactness as E
 from trl_infinite.engine.attention import LayerAttention, Segment, build_metadata, torch_paged_attention, with_context
 from trl_infinite.engine.config.engine_config import EngineConfig
 from trl_infinite.engine.config.inputs import model_vocab_size
+from trl_infinite.engine.model import exactness as E
 from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.model.support import probe_length, verdict
 from trl_infinite.engine.runner.kv_pool import KVCachePool

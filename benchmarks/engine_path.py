@@ -36,7 +36,7 @@ class StepTimes:
         self.seconds.append(seconds)
         self.kv_tokens.append(kv_tokens_read(batch, self.shared_prefix))
         self.rows.append(len(batch.decode))
-        self.decode_only.append(not (batch.prefill_groups or batch.recompute or batch.swap_in or batch.swap_out))
+        self.decode_only.append(not (batch.prefill_groups or batch.recompute or batch.moves))
 
     def used(self, rows: int | None = None) -> list[int]:
         """Indices of the decode-only steps (with exactly `rows` samples, if given)."""

@@ -58,19 +58,17 @@ class RolloutCall:
 
     @classmethod
     def build(cls, config: EngineConfig, groups: list[Group], allocator: BlockAllocator, predictor: LengthPredictor,
-              make_executor: ExecutorFactory, copy_slots: Callable[[list[int], list[int]], None] | None = None,
-              cache_completions: bool = False) -> RolloutCall:
-        """`make_executor(call)`: the call's executor, made once the rest of the call is built; `copy_slots`,
-        `cache_completions`: the scheduler's prefix-cache options (`Scheduler`); the allocator carries the cache
-        itself, if any."""
+              make_executor: ExecutorFactory, cache_completions: bool = False) -> RolloutCall:
+        """`make_executor(call)`: the call's executor, made once the rest of the call is built;
+        `cache_completions`: the scheduler's completion caching (`Scheduler`); the allocator carries the prefix
+        cache itself, if any."""
         scheduling = config.scheduling
         mode = sampling_mode(config)
         policy = SCHEDULERS.build(scheduling.scheduler, scheduling, predictor, mode.slot_limit)
         admission = BATCH_POLICIES.build(scheduling.batch_policy, scheduling)
         samples = [s for g in groups for s in g.samples]
         stats = RolloutStats(num_samples=len(samples))
-        scheduler = Scheduler(allocator, policy, admission, mode, scheduling.chunk_tokens, stats, copy_slots,
-                              cache_completions)
+        scheduler = Scheduler(allocator, policy, admission, mode, scheduling.chunk_tokens, stats, cache_completions)
         scheduler.submit(groups, samples)
         uses = getattr(policy, "predictor", None) is predictor and predictor.wants_hidden
         call = cls(mode, scheduler, predictor, predictor if uses else None, stats)

@@ -23,6 +23,7 @@ from trl_infinite.engine.model.support import build_runner, check_support
 from trl_infinite.engine.outputs import RolloutResult, RolloutStats
 from trl_infinite.engine.runner.autocast import autocast_dtype, describe
 from trl_infinite.engine.runner.eval_mode import eval_mode
+from trl_infinite.engine.runner.length_model import length_regressor
 from trl_infinite.engine.runner.sampler import Sampler
 from trl_infinite.engine.runner.weight_copy import build_weight_copy
 from trl_infinite.engine.runner.weight_state import WeightTracker
@@ -102,7 +103,7 @@ class RolloutEngine:
                     self.pool.release()
         self.max_model_len = getattr(text_config(model), "max_position_embeddings", None)
         # one length predictor per engine: it keeps learning from every call's finished samples
-        self.predictor = build_predictor(self.config.scheduling, self.history)
+        self.predictor = build_predictor(self.config.scheduling, self.history, model_fn=length_regressor)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
@@ -237,7 +238,7 @@ class RolloutEngine:
                   keep: bool, processors: GenerationProcessors | None = None) -> RolloutResult:
         executors = partial(self._executor, sampling=sampling, groups=groups, max_new=max_new, processors=processors)
         call = RolloutCall.build(self.config, groups, self.pool.allocator, self.predictor, executors,
-                                 self.pool.copy_slots, cache_completions=keep)
+                                 cache_completions=keep)
         finished = None
         if on_sample_finished is not None:
             def finished(seq: Sequence) -> None:

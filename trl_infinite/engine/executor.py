@@ -1,9 +1,9 @@
 """The model-backed executor of the drive loop: prefill (first tokens), then one decode forward per step.
 
 Per `ScheduledBatch`:
-1. divided rollout's host tier: KV of parked samples copied out, returning samples' KV copied back in;
+1. the batch's KV moves (`batch.moves`: divided rollout's host tier, copies) carried out by the pool;
 2. prefill of the batch's prompts (past their prefix-cache hits) and recomputes (eager, chunked to
-   `max_prefill_tokens`); the last position of
+   `max_prefill_tokens`; its layers make the partial prefix-cache hits' `PrefillCopy`s); the last position of
    each prompt gives the first token of every one of its samples that has none (all G at once);
 3. the call's decode step over `batch.decode` (each row's input is its last output token; `decode/step.py`'s
    protocol): the static decoder, the speculative step (drafts + one verification forward) when speculation is on,
@@ -19,7 +19,7 @@ import torch
 from trl_infinite.engine.attention import Segment
 from trl_infinite.engine.decode.step import DecodeStep, ReadBack, StepContext, pack
 from trl_infinite.engine.runner.model_runner import chunk_segments, last_rows, sample_segment
-from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.sched.batch import PrefillCopy, ScheduledBatch, StepOutput
 from trl_infinite.engine.sched.sequence import Group
 
 
@@ -30,14 +30,13 @@ class ModelExecutor:
     def __init__(self, ctx: StepContext, step: DecodeStep):
         self.ctx = ctx
         self.step = step
-        self.host_kv: dict[int, list] = {}  # divided rollout's host tier, by seq_id
 
     def lookahead(self, num_running: int) -> int:
         return self.step.lookahead(num_running)
 
     def launch(self, batch: ScheduledBatch) -> Callable[[], StepOutput]:
         """Run the step's prefills, start its decode forward, return the function that completes the step."""
-        self._swap(batch)
+        self.ctx.pool.apply(batch.moves)
         out = StepOutput()
         out.first_tokens, out.first_logprobs, out.first_raw_logprobs = self._prefill(batch)
         if not batch.decode:
@@ -53,6 +52,7 @@ class ModelExecutor:
         return complete
 
     def after_step(self, batch: ScheduledBatch) -> None:
+        self.ctx.pool.apply(batch.moves_after)  # completion caching's copies
         self.step.after_step(batch)
 
     def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
@@ -63,18 +63,13 @@ class ModelExecutor:
         self.step.close()
 
     # ------------------------------------------------------------------ pieces
-    def _swap(self, batch: ScheduledBatch) -> None:
-        """Divided rollout's host tier: copy parked samples' KV out (first), then returning ones back in."""
-        for seq, blocks in batch.swap_out:
-            self.host_kv[seq.seq_id] = self.ctx.pool.copy_out(blocks)
-        for seq, blocks in batch.swap_in:
-            self.ctx.pool.copy_in(blocks, self.host_kv.pop(seq.seq_id))
 
     def _prefill(self, batch: ScheduledBatch):
         """Prefill prompts and recomputes; the first token of every sample of each prefilled prompt that has none."""
         # a prompt's leading blocks found in the prefix cache are not run again (`Group.num_cached`)
+        copies = {m.group_id: list(zip(m.src, m.dst)) for m in batch.moves if isinstance(m, PrefillCopy)}
         segments = [Segment(g.prompt_len, g.prompt_blocks, [], g.num_cached, g.prompt_ids[g.num_cached:], g.group_id,
-                            g.cache_copies) for g in batch.prefill_groups]
+                            copies.get(g.group_id, [])) for g in batch.prefill_groups]
         segments += [sample_segment(s, s.prompt_len, s.output_ids[:-1]) for s in batch.recompute]
         if not segments:
             return [], [], None

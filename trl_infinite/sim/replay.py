@@ -127,6 +127,14 @@ def _prompt_ids(rec: TraceRecord) -> list[int]:
     return [-1 - rec.prompt_index] + [0] * (rec.prompt_len - 1)
 
 
+def _length_regressor(model):
+    """`length_predictor` given as a sequence-classification model: run as the engine runs it (torch is imported
+    only here, where such a model, and so torch, is already loaded)."""
+    from trl_infinite.engine.runner.length_model import length_regressor
+
+    return length_regressor(model)
+
+
 def _calls(records: list[TraceRecord], per_call: int) -> list[list[TraceRecord]]:
     """Consecutive records, `per_call` at a time, never mixing two epochs in one call."""
     calls: list[list[TraceRecord]] = []
@@ -178,7 +186,7 @@ def simulate(
     reserved per sample and its `end_call(stats)` runs after the call."""
     engine = config.engine
     history = history if history is not None else PromptHistory(engine.history)
-    predictor = predictor or build_predictor(engine.scheduling, history)
+    predictor = predictor or build_predictor(engine.scheduling, history, model_fn=_length_regressor)
     out = SimResult()
     for chunk in _calls(records, config.prompts_per_call):
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)

@@ -7,6 +7,7 @@ import torch
 from _models import tiny_model
 
 from trl_infinite import EngineConfig, KVCachePool, RolloutEngine, SamplingParams
+from trl_infinite.engine.sched.batch import SlotCopy, Swap
 from trl_infinite.engine.sched.block_manager import BlockAllocator, blocks_for, pool_size
 
 BLOCK = 4
@@ -176,7 +177,7 @@ def test_model_zoo_configs_match_published_sizes(name):
 
 def test_kv_block_bytes_of_a_real_geometry():
     """Qwen3-1.7B: 28 layers x 8 KV heads x head_dim 128; a 16-token bf16 block is 2*28*16*8*128*2 bytes."""
-    from trl_infinite.engine.runner.kv_pool import kv_geometry
+    from trl_infinite.engine.runner.kv_layout import kv_geometry
     from trl_infinite.testing.model_zoo import model_config
 
     assert kv_geometry(model_config("qwen3-1.7b")) == (28, 8, 128)
@@ -195,7 +196,7 @@ def test_model_zoo_unknown_name():
 def test_pool_layout_with_per_layer_widths():
     """MLA-style layers (keys 12 wide, values 8) and a layer with one KV head: per-layer views of one allocation
     (freed as a whole), exact block bytes."""
-    from trl_infinite.engine.runner.kv_pool import KVLayout
+    from trl_infinite.engine.runner.kv_layout import KVLayout
 
     layout = KVLayout(num_kv_heads=(4, 1), k_dims=(12, 16), v_dims=(8, 16))
     pool = KVCachePool(layout, EngineConfig(kv_cache_tokens=64, block_size=16), torch.float32, torch.device("cpu"))
@@ -206,10 +207,15 @@ def test_pool_layout_with_per_layer_widths():
     assert len(storage) == 1 and pool.k_caches[0].untyped_storage().nbytes() == pool.allocated_bytes
     assert all(t.is_contiguous() for t in (*pool.k_caches, *pool.v_caches))
     pool.k_caches[0][[3, 17]] = 1.0  # slots 3 (block 0) and 17 (block 1)
-    saved = pool.copy_out([0, 1])  # the host tier: per-layer copies of whole blocks
+    pool.apply([Swap(7, (0, 1), to_host=True)])  # the host tier: per-layer copies of whole blocks
     pool.k_caches[0].zero_()
-    pool.copy_in([2, 0], saved)  # back into other blocks: block 0's content lands in block 2, block 1's in 0
+    pool.apply([Swap(7, (2, 0), to_host=False)])  # back into other blocks: block 0's content lands in block 2, block 1's in 0
     assert pool.k_caches[0][[35, 1]].eq(1.0).all() and pool.k_caches[0].sum() == 2 * 4 * 12
+    assert not pool.host  # the host copy is dropped once back
+    pool.apply([SlotCopy((35, 4), (4, 5))])  # one copy reads all its sources first: slot 5 gets slot 4's old zeros
+    assert pool.k_caches[0][[1, 4, 35]].eq(1.0).all() and pool.k_caches[0].sum() == 3 * 4 * 12
+    pool.apply([SlotCopy((4,), (5,)), SlotCopy((5,), (6,))])  # copies run in order: the second reads the first's
+    assert pool.k_caches[0][[1, 4, 5, 6, 35]].eq(1.0).all() and pool.k_caches[0].sum() == 5 * 4 * 12
 
 
 def _rss_bytes() -> int:
@@ -248,7 +254,7 @@ def test_stable_pool_keeps_its_addresses_across_sizes_and_grows_in_place():
     """`KVCachePool(stable=True)`: block 0 is the null block, blocks 1..n usable; pools of other sizes (per call)
     and released pools keep the K/V addresses; the prefix cache's growth keeps every block's contents where it is;
     a byte budget includes the granularity rounding."""
-    from trl_infinite.engine.runner.kv_pool import KVLayout
+    from trl_infinite.engine.runner.kv_layout import KVLayout
 
     layout = KVLayout.uniform(2, 2, 8)
     pool = KVCachePool(layout, EngineConfig(kv_cache_tokens=256, block_size=4, prefix_cache=True), torch.float32,

@@ -70,6 +70,7 @@ def test_a_partial_hit_on_a_block_filled_by_a_copy_in_the_same_forward(model, mo
     """Prompt 1 takes its first 2 ids by copy from prompt 0's block; prompt 2 takes 3 ids by copy from prompt 1's
     block, 2 of them targets of the first copy. One forward makes every copy at once (each source read before any
     target is written), so the second copy must read the first one's source, never a target of that forward."""
+    from trl_infinite.engine.sched.batch import PrefillCopy
     from trl_infinite.engine.sched.scheduler import Scheduler
 
     a = _rand(BLOCK, 60)
@@ -80,7 +81,7 @@ def test_a_partial_hit_on_a_block_filled_by_a_copy_in_the_same_forward(model, mo
 
     def spy(self, lookahead=0):
         batch = schedule(self, lookahead)
-        steps.append([c for g in batch.prefill_groups for c in g.cache_copies])
+        steps.append([c for m in batch.moves if isinstance(m, PrefillCopy) for c in zip(m.src, m.dst)])
         return batch
 
     monkeypatch.setattr(Scheduler, "schedule", spy)

@@ -94,7 +94,7 @@ def paged_attention_forward(
     key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, key)
     v_cache.index_copy_(0, meta.slot_mapping, value)
-    if meta.copy_slots is not None:  # partial prefix-cache hits: after the write (the source may be new)
+    if meta.copy_slots is not None:  # the batch's `PrefillCopy` orders: after the write (the source may be new)
         src, dst = meta.copy_slots
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]

@@ -38,7 +38,8 @@ class Segment:
     tokens: list[int]
     group_index: int = 0  # segments of the same group share `prefix_blocks` (used by cascade kernels)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source slot, target slot) of prefix-cache KV
-    # copied into this segment's context by every layer before it attends (`PagedAttentionMetadata.copy_slots`)
+    # copied into this segment's context by every layer before it attends (the batch's `PrefillCopy`,
+    # `PagedAttentionMetadata.copy_slots`)
 
     @property
     def end_pos(self) -> int:

@@ -23,7 +23,7 @@ from trl_infinite.engine.config.inputs import text_config
 from trl_infinite.engine.decode.output_capture import capturing_models
 from trl_infinite.engine.model.probe import AttentionCall, ProbeRecord
 from trl_infinite.engine.runner.autocast import describe
-from trl_infinite.engine.runner.kv_pool import KVLayout
+from trl_infinite.engine.runner.kv_layout import KVLayout
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 STATELESS_LAYER_TYPES = ("mlp", "moe")

@@ -2,57 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from trl_infinite.engine.config.engine_config import EngineConfig
+from trl_infinite.engine.runner.kv_layout import KVLayout
 from trl_infinite.engine.runner.kv_memory import ReservedRange, reserve_range
+from trl_infinite.engine.sched.batch import KVMove, SlotCopy, Swap
 from trl_infinite.engine.sched.block_manager import BlockAllocator
 from trl_infinite.engine.sched.prefix_cache import PrefixCache
 
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of the cached keys and values, per attention layer (pool layer i):
-    `num_kv_heads[i]` heads, keys `k_dims[i]` wide, values `v_dims[i]` wide (they differ under MLA)."""
-
-    num_kv_heads: tuple[int, ...]
-    k_dims: tuple[int, ...]
-    v_dims: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not (len(self.num_kv_heads) == len(self.k_dims) == len(self.v_dims)) or not self.num_kv_heads:
-            raise ValueError("KVLayout needs one KV-head count, key width and value width per layer (at least one).")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.num_kv_heads)
-
-    def elements_per_token(self) -> int:
-        """Cached K and V elements of one token, all layers."""
-        return sum(h * (dk + dv) for h, dk, dv in zip(self.num_kv_heads, self.k_dims, self.v_dims))
-
-    @classmethod
-    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
-        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers, (head_dim,) * num_layers)
-
-    @classmethod
-    def from_config(cls, model_config) -> KVLayout:
-        """Uniform layout read from a standard config (no model needed: memory planning, benchmarks). The engine
-        itself takes the layout the support probe measured on the model (`engine/model/support.py`)."""
-        return cls.uniform(*kv_geometry(model_config))
-
-
-def kv_geometry(model_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a standard Hugging Face causal-LM config."""
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_heads = cfg.num_attention_heads
-    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    return cfg.num_hidden_layers, num_kv_heads, head_dim
 
 
 class KVCachePool:
@@ -101,6 +60,7 @@ class KVCachePool:
         self.num_blocks = 0
         self.null_block = 0
         self.prefix_cache = PrefixCache(self.block_size) if config.prefix_cache else None
+        self.host: dict[int, list[torch.Tensor]] = {}  # divided rollout's host tier: K/V of swapped-out blocks
         self.allocator = BlockAllocator(1, self.block_size)  # replaced when the pool is sized
         if allocate:
             self._allocate(self.budget_blocks())
@@ -273,7 +233,8 @@ class KVCachePool:
 
     def reset(self, keep_cache: bool = True) -> None:
         """Every block unreferenced, for a new call. Cached blocks stay findable when `keep_cache` and nothing is
-        referenced (a call that ended normally); otherwise the cache is dropped."""
+        referenced (a call that ended normally); otherwise the cache is dropped. The host tier is emptied."""
+        self.host.clear()
         if keep_cache and self.prefix_cache is not None and self.allocator.num_used == 0 and self.allocated:
             self.allocator.reset_counters()
             return
@@ -287,14 +248,6 @@ class KVCachePool:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def copy_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Write the K/V of pool slots `src_slots` into `dst_slots`, every layer (all sources read before any write:
-        they may overlap; a finished completion shifted onto the prefix cache's block grid)."""
-        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
-        for t in (*self.k_caches, *self.v_caches):
-            t[dst] = t[src]
-
     def zero(self) -> None:
         """Zero every cached key and value (after a call whose values were not finite); no prefix stays cached."""
         self.drop_cache()
@@ -302,18 +255,20 @@ class KVCachePool:
         for t in (*self.k_caches, *self.v_caches):
             t[:slots].zero_()
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        ids = torch.tensor(blocks, device=self.device)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
-
-    def copy_out(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of the K/V of `blocks`, per layer (divided rollout's host tier)."""
-        slots = self._slots(blocks)
-        return [(k[slots].cpu(), v[slots].cpu()) for k, v in zip(self.k_caches, self.v_caches)]
-
-    def copy_in(self, blocks: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write host copies from `copy_out` back into (possibly other) `blocks`."""
-        slots = self._slots(blocks)
-        for (k, v), (hk, hv) in zip(zip(self.k_caches, self.v_caches), saved):
-            k[slots] = hk.to(self.device)
-            v[slots] = hv.to(self.device)
+    def apply(self, moves: list[KVMove]) -> None:
+        """Carry out a batch's KV moves (`sched/batch.py`) in their order: slot copies (every source read before
+        any write), and the host tier's swaps out (kept in `host` under the move's key) and back in. A `PrefillCopy`
+        is not done here: the layers of the forward that prefills its prompt make it (`Segment.copies`)."""
+        caches, bs = (*self.k_caches, *self.v_caches), self.block_size
+        for move in moves:
+            if isinstance(move, SlotCopy):
+                src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (move.src, move.dst))
+                for t in caches:
+                    t[dst] = t[src]
+            elif isinstance(move, Swap):
+                slots = torch.tensor([b * bs + i for b in move.blocks for i in range(bs)], device=self.device)
+                if move.to_host:
+                    self.host[move.key] = [t[slots].cpu() for t in caches]
+                else:
+                    for t, saved in zip(caches, self.host.pop(move.key)):
+                        t[slots] = saved.to(self.device)

@@ -32,7 +32,8 @@ from trl_infinite.engine.attention import (
     temperature_tuned,
     torch_paged_attention,
 )
-from trl_infinite.engine.runner.kv_pool import KVCachePool, KVLayout
+from trl_infinite.engine.runner.kv_layout import KVLayout
+from trl_infinite.engine.runner.kv_pool import KVCachePool
 from trl_infinite.engine.sched.sequence import Sequence
 
 ROW_MULTIPLE = 4  # rows of every CPU forward are padded to a multiple of this (module docstring)

@@ -1,11 +1,44 @@
-"""What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back). Pure
-Python: the engine and the trace simulator share them."""
+"""What passes between the scheduler and an executor each step (`ScheduledBatch` out, `StepOutput` back), with the
+KV moves the batch orders (`SlotCopy`, `PrefillCopy`, `Swap`; the engine's pool carries them out, the simulator
+ignores them). Pure Python: the engine and the trace simulator share these classes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from trl_infinite.engine.sched.sequence import Group, Sequence
+
+
+@dataclass(frozen=True)
+class SlotCopy:
+    """Copy the K/V of pool slots `src` into slots `dst`, every layer (all sources read before any write)."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillCopy:
+    """A partial prefix-cache hit of prompt `group_id`: the slots are copied by every layer of the forward that
+    prefills the prompt, right after the layer wrote the forward's new K/V (the source may be a block that a prompt
+    admitted earlier in the same step writes in that very forward), never before the forward."""
+
+    group_id: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Divided rollout's host tier: `to_host`: copy the K/V of `blocks` to host memory, kept under `key` (the
+    sample's id); else write the copy kept under `key` back into `blocks` (possibly other ids) and drop it."""
+
+    key: int
+    blocks: tuple[int, ...]
+    to_host: bool
+
+
+KVMove = SlotCopy | PrefillCopy | Swap
 
 INVALID_TOKEN = -1  # an executor's token for a row whose logits were not finite (see `NonFiniteLogitsError`)
 
@@ -35,9 +68,11 @@ class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)
     grown: list[Sequence] = field(default_factory=list)  # running samples whose own block list grew in this step
     lookahead: int = 0  # extra KV slots reserved per sample (speculative drafts)
-    # divided rollout's host tier: copy these blocks' KV out to host (before anything runs), then back in
-    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    # KV moves in the order the scheduler issued them (each one's blocks were valid when issued): done in that
+    # order before the step's forward (`PrefillCopy`: by the forward's layers); `moves_after`: those `postprocess`
+    # issued (completion caching), done right after it (`Executor.after_step`)
+    moves: list[KVMove] = field(default_factory=list)
+    moves_after: list[KVMove] = field(default_factory=list)
     # samples (re)admitted in this step that already had tokens: preempted, parked or offloaded ones coming back.
     # Their blocks may all have changed since they last decoded (new own blocks, or their prompt evicted and
     # prefilled again into other blocks in this very step), so whatever a decoder kept about them is stale
@@ -47,10 +82,10 @@ class ScheduledBatch:
 
     @property
     def rebuilt(self) -> list[Sequence]:
-        """Samples whose block tables must be read afresh this step: recomputed, copied back from the host tier,
-        or re-admitted with their KV kept while their prompt was prefilled again."""
-        return list({id(s): s for s in (*self.recompute, *(seq for seq, _ in self.swap_in), *self.readmitted)}
-                    .values())
+        """Samples whose block tables must be read afresh this step: the re-admitted ones (recomputed samples and
+        those copied back from the host tier are re-admitted ones, as are those whose KV was kept while their prompt
+        was prefilled again)."""
+        return self.readmitted
 
 
 @dataclass

@@ -25,8 +25,6 @@ class Group:
     num_generations: int
     prompt_blocks: list[int] = field(default_factory=list)  # empty while the prompt is not resident
     num_cached: int = 0  # leading prompt tokens found in the prefix cache when its blocks were last allocated
-    # (source slot, target slot) of those found inside a block (a partial hit), copied by its prefill forward
-    cache_copies: list[tuple[int, int]] = field(default_factory=list)
     samples: list[Sequence] = field(default_factory=list)  # its G samples, in sample order
 
     @property

@@ -38,6 +38,8 @@ from trl_infinite.engine.sched.sequence import Group, Sequence
 if TYPE_CHECKING:
     from trl_infinite.engine.config.engine_config import SchedulingConfig
 
+ModelFn = Callable[[object], Callable[[list[int], list[int]], float]]  # a model -> its length function
+
 
 class ErrorStats:
     """Absolute errors of scored predictions in bounded memory: a running count and sum over every call (`mae`),
@@ -182,15 +184,16 @@ class GroupPredictor(LengthPredictor):
 class PrefixPredictor(LengthPredictor):
     """Length from the prompt + first k completion tokens (see module docstring); options from
     `config.prefix_predictor`. `fn`: a user's predictor in place of the head (`length_predictor` given as a callable
-    or a sequence-classification model)."""
+    or a sequence-classification model, made a callable by `model_fn`)."""
 
     wants_hidden = True
 
-    def __init__(self, config: SchedulingConfig, history: PromptHistory | None = None, fn: Callable | None = None):
+    def __init__(self, config: SchedulingConfig, history: PromptHistory | None = None, fn: Callable | None = None,
+                 model_fn: ModelFn | None = None):
         super().__init__()
         options = config.prefix_predictor
         self.prefix_k = options.k
-        self.fn = _wrap_user_predictor(fn) if fn is not None else None
+        self.fn = _wrap_user_predictor(fn, model_fn) if fn is not None else None
         self.wants_hidden = fn is None
         self.head = OnlineRidge(options.l2)
         self.min_train = options.min_train
@@ -233,32 +236,29 @@ class PrefixPredictor(LengthPredictor):
             self.head.add(feat, math.log(max(1, seq.num_generated)), group=hash(tuple(seq.group.prompt_ids)))
 
 
-def _wrap_user_predictor(fn) -> Callable[[list[int], list[int]], float]:
-    """A callable `fn(prompt_ids, prefix_ids) -> length`, or an HF sequence-classification model (regression)."""
+def _wrap_user_predictor(fn, model_fn: ModelFn | None) -> Callable[[list[int], list[int]], float]:
+    """A callable `fn(prompt_ids, prefix_ids) -> length`, or an HF sequence-classification model (regression), run
+    through `model_fn` (the engine's `runner.length_model.length_regressor`: this package imports no torch)."""
     if hasattr(fn, "config") and hasattr(fn, "forward"):
-        model = fn
-
-        def run(prompt_ids: list[int], prefix_ids: list[int]) -> float:
-            import torch
-
-            with torch.no_grad():
-                ids = torch.tensor([prompt_ids + prefix_ids], device=next(model.parameters()).device)
-                return float(model(input_ids=ids).logits.reshape(-1)[0])
-
-        return run
+        if model_fn is None:
+            raise ValueError("`length_predictor` as a sequence-classification model runs only in the engine (which "
+                             "passes the function that runs it); give a callable (prompt_ids, prefix_ids) -> length.")
+        return model_fn(fn)
     if not callable(fn):
         raise ValueError("`length_predictor` must be a name, a callable (prompt_ids, prefix_ids) -> length, or a "
                          "sequence-classification model.")
     return fn
 
 
-def build_predictor(config: SchedulingConfig, history: PromptHistory | None = None) -> LengthPredictor:
+def build_predictor(config: SchedulingConfig, history: PromptHistory | None = None,
+                    model_fn: ModelFn | None = None) -> LengthPredictor:
     """The predictor `config.length_predictor` names (a registered name), is (a `LengthPredictor`), or wraps (a
-    callable or a sequence-classification model, in place of the prefix head). One per engine or simulated run:
-    it keeps learning across calls and reads the engine's per-prompt `history`."""
+    callable or a sequence-classification model, in place of the prefix head; `model_fn(model)` makes the model a
+    callable). One per engine or simulated run: it keeps learning across calls and reads the engine's per-prompt
+    `history`."""
     spec = config.length_predictor
     if isinstance(spec, LengthPredictor):
         return spec
     if isinstance(spec, str):
         return PREDICTORS.build(spec, config, history)
-    return PrefixPredictor(config, history, fn=spec)
+    return PrefixPredictor(config, history, fn=spec, model_fn=model_fn)
