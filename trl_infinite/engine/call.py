@@ -4,7 +4,7 @@
     allocator = ...  # the engine: its pool opened with `pool_size(need)` blocks (never above the budget);
                      # the simulator: a `BlockAllocator` of the same size
     call = RolloutCall.build(config, groups, allocator, predictor, make_executor)
-    stats = call.run(...)                                        # the drive loop (`loop.py`)
+    stats = call.run(...)                                        # the one drive loop
 
 `build` makes the call's sampling mode, ordering and admission policies (by name, from `config.scheduling`), its
 scheduler and its executor (`make_executor(call)`: the engine's model executor, `engine.py`; the simulator's trace
@@ -13,18 +13,51 @@ replayer, `sim/replay.py`); `run` drives it and fills the call's `RolloutStats`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from trl_infinite.engine.config.engine_config import EngineConfig
 from trl_infinite.engine.config.registry import BATCH_POLICIES, SAMPLING_MODES, SCHEDULERS
-from trl_infinite.engine.loop import Executor, StepTimer, drive
 from trl_infinite.engine.outputs import RolloutStats
+from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
 from trl_infinite.engine.sched.block_manager import BlockAllocator, blocks_for
 from trl_infinite.engine.sched.predictors.base import LengthPredictor
 from trl_infinite.engine.sched.scheduler import Scheduler
 from trl_infinite.engine.sched.sequence import Group, Sequence
 from trl_infinite.engine.sched.slot_modes import SamplingMode
+
+TAIL_FRACTION = 0.9  # decode steps taken once this fraction of the samples has finished count as tail steps
+
+
+class Executor(Protocol):
+    """Runs one `ScheduledBatch`: prefills the batch's prompts (first tokens), then one decode forward over
+    `batch.decode` (if any). Must not change scheduler state: the tokens go back through `StepOutput`."""
+
+    def lookahead(self, num_running: int) -> int:
+        """Extra KV slots per running sample the next step may write (speculative drafts), 0 otherwise."""
+        ...
+
+    def launch(self, batch: ScheduledBatch) -> Callable[[], StepOutput]:
+        """Carry out `batch.moves` (the KV moves the scheduler ordered: `KVCachePool.apply`) before the forward, then
+        start the step; the returned function waits for it. The loop runs the previous step's finish callbacks
+        in between, so on a GPU they overlap the running decode step."""
+        ...
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Called once the step's tokens were appended (and finished samples freed): carry out `batch.moves_after`
+        (completion caching's copies, ordered by `postprocess`)."""
+        ...
+
+    def step_seconds(self, batch: ScheduledBatch, measured: float) -> float:
+        """The decode step's duration the admission policy learns from (`batch_policy="sla"`): the measured wall
+        time for the model, a step-time model's for the simulator."""
+        ...
+
+
+StepTimer = Callable[[ScheduledBatch, float], None]  # (batch, seconds from launch to completion), decode steps
+
 
 ExecutorFactory = Callable[["RolloutCall"], Executor]  # what the engine's and the simulator's calls differ by
 
@@ -77,10 +110,40 @@ class RolloutCall:
 
     def run(self, on_finished: Callable[[Sequence], None] | None = None,
             on_decode_step: StepTimer | None = None) -> RolloutStats:
-        """Drive the call to its end; the stats then also hold the block and prediction counters."""
-        drive(self.scheduler, self.executor, self.stats, on_finished, on_decode_step)
-        allocator, stats = self.scheduler.allocator, self.stats
-        stats.generated_tokens = sum(s.num_generated for s in self.scheduler.finished)
+        """The one drive loop: schedule -> execute -> postprocess until every sample has finished; then the stats
+        also hold the block and prediction counters. Counts `decode_steps` (steps with a decode forward) and
+        `tail_decode_steps`, and the host time of scheduling and postprocessing (`host_time_s`). Every finished
+        sample goes to `on_finished` while the next step runs (at the latest when the loop ends), on this thread."""
+        scheduler, executor, stats, clock = self.scheduler, self.executor, self.stats, time.perf_counter
+        total = scheduler.num_samples
+        done: list[Sequence] = []  # finished in the last step, not yet reported
+        while scheduler.has_unfinished():
+            t0 = clock()
+            batch = scheduler.schedule(lookahead=executor.lookahead(len(scheduler.running)))
+            start = clock()
+            complete = executor.launch(batch)
+            for seq in done if on_finished is not None else ():
+                on_finished(seq)
+            out = complete()
+            seconds = clock() - start
+            stats.host_time_s += start - t0
+            if batch.decode:
+                stats.decode_steps += 1
+                if len(scheduler.finished) >= TAIL_FRACTION * total:
+                    stats.tail_decode_steps += 1
+                scheduler.admission.on_step_time(len(batch.decode), executor.step_seconds(batch, seconds))
+                if on_decode_step is not None:
+                    on_decode_step(batch, seconds)
+            done_before = len(scheduler.finished)
+            t0 = clock()
+            scheduler.postprocess(batch, out)
+            executor.after_step(batch)
+            stats.host_time_s += clock() - t0
+            done = scheduler.finished[done_before:]
+        for seq in done if on_finished is not None else ():
+            on_finished(seq)
+        allocator = scheduler.allocator
+        stats.generated_tokens = sum(s.num_generated for s in scheduler.finished)
         stats.peak_kv_blocks = allocator.peak_used
         stats.num_kv_blocks = allocator.num_blocks
         stats.kv_utilization = allocator.mean_utilization

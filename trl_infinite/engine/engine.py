@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 
-from trl_infinite.engine.call import RolloutCall, call_blocks, sampling_mode
+from trl_infinite.engine.call import RolloutCall, StepTimer, call_blocks, sampling_mode
 from trl_infinite.engine.config.engine_config import EngineConfig, SamplingParams
 from trl_infinite.engine.config.inputs import check_eos, check_prompts, check_request, model_vocab_size, text_config
 from trl_infinite.engine.config.logits import GenerationProcessors
@@ -17,7 +17,6 @@ from trl_infinite.engine.decode.cuda_graphs import graphs_available
 from trl_infinite.engine.decode.static import StaticDecoder, static_step_bytes
 from trl_infinite.engine.decode.step import EagerStep, StepContext
 from trl_infinite.engine.executor import ModelExecutor
-from trl_infinite.engine.loop import StepTimer
 from trl_infinite.engine.model.guard import model_guard
 from trl_infinite.engine.model.support import build_runner, check_support
 from trl_infinite.engine.outputs import RolloutResult, RolloutStats
