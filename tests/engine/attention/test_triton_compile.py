@@ -3,7 +3,7 @@
 `benchmarks/kernel_resources.py` compiles the prefix, suffix and merge kernels with `triton.compile` and an explicit
 `GPUTarget` (the triton wheel's own ptxas), in bf16 and fp16, at head dims 64, 128, 256 and MLA's 576 / 512, every
 layer feature on (soft-cap, sinks, window, chunk), at the tiles that run untuned (the first candidate of each list
-in `triton_tiles`; the full candidate table is in benchmarks/RESULTS.md). Asserted: registers <= 255 per thread and
+in `triton_tiles`; the full candidate table is in benchmarks/RESULTS-history.md). Asserted: registers <= 255 per thread and
 <= 65,536 per block, shared memory per block under the architecture's maximum (227 KB / 163 KB), no spills, and the
 attention kernels' loads software-pipelined (asynchronous copies into shared memory). The compiler is stricter than
 the CPU interpreter the other tests use, so this also catches code only the interpreter accepts. Runs in a

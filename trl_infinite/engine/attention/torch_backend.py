@@ -12,7 +12,7 @@ float32).
 Static decode steps on CPU carry the batch's group slots (`decode_metadata`), and there the context is split at the
 prompt (`_cascade_decode`, the torch counterpart of the Triton cascade kernel): each group's prompt is gathered once
 and attended by all its rows in one call, the rows' own tokens in a second call, merged by log-sum-exp. On the
-host-bound 28-layer benchmark this takes about a fifth off the compiled decode step (`benchmarks/RESULTS.md`).
+host-bound 28-layer benchmark this takes about a fifth off the compiled decode step (`benchmarks/RESULTS-history.md`).
 Layers with soft-cap or sinks, and MLA layers, keep the whole-context path.
 
 On CPU the engine puts the C++ kernel of `cpu_decode` in front of this backend for float32 decode forwards

@@ -4,7 +4,7 @@ Why: PyTorch's CPU tensors come from the C library's `malloc`. glibc serves bloc
 (it rises to 32 MiB after the first large free) from one heap, and the small allocations made between two large
 ones (tensor metadata, Python objects) are carved out of the holes large frees leave, so a later large tensor no
 longer fits and the heap grows. A gradient-checkpointed training forward of SmolLM2-135M on 4,262 packed tokens
-grows the heap by ~80 MB per layer while its live tensors grow by 10 MB (`benchmarks/RESULTS.md`): the resident set
+grows the heap by ~80 MB per layer while its live tensors grow by 10 MB (`benchmarks/RESULTS-history.md`): the resident set
 ends ~2 GB above what is live, and more tokens per step make it worse. A fixed low mmap threshold stops that but
 maps and faults in fresh pages for every large tensor (20-25 % slower forward and backward here).
 
