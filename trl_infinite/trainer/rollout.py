@@ -1,18 +1,29 @@
-"""From TRL's `_generate_single_turn` inputs to engine calls and back.
+"""From TRL's `_generate_single_turn` inputs to engine calls and back (`engine_rollout`).
 
 TRL hands the hook one row per completion, each prompt repeated G times in a row (`num_generations`, TRL's
 `RepeatSampler` layout). `trl_groups` turns that layout into the groups of this process's rows (a group may continue on
 the neighbouring process), `generate_rows` calls the engine once per distinct group size (once in practice) with
-`num_generations` = that size, and puts the completions back in TRL's row order.
+`num_generations` = that size, and puts the completions back in TRL's row order. The engine runs on the trained
+weights, unwrapped as TRL unwraps them for `generate` (`generation_model`), with the `GenerationConfig` `generate`
+would use (`generation_config.py`), a seed derived from checkpointed state (`rollout_seed`), and the rows' rewards
+streamed as they finish (`reward_scoring.start_stream`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+from tqdm.auto import tqdm
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
+
 from trl_infinite.engine import RolloutEngine, RolloutStats, SamplingParams
+from trl_infinite.trainer.generation_config import effective_generation_config, engine_sampling_params
+from trl_infinite.trainer.reward_scoring import start_stream
 
 
 @dataclass
@@ -158,3 +169,78 @@ def turn_metrics(stats: RolloutStats, turn: int) -> dict[str, float]:
     """Prefill work of turn `turn` (0: the first) of a multi-turn rollout, under its own keys."""
     return {f"rollout/turn_{turn}/prefill_tokens": float(stats.prefill_tokens),
             f"rollout/turn_{turn}/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens)}
+
+
+def engine_rollout(trainer, prompt_ids: list, num_generations: int) -> tuple[list[list[int]], list[list[float]]]:
+    """`InfiniteGRPOTrainer._generate_single_turn` on the engine: (completion ids cut after the first EOS, sampling
+    log-probs in TRL's convention), both in row order; the `rollout/*` metrics logged. Raises the engine's
+    `UnsupportedModelError` where the full support contract fails (the trainer then falls back)."""
+    groups = trl_groups(len(prompt_ids), num_generations, trainer.accelerator.process_index * len(prompt_ids))
+    stream = start_stream(trainer, prompt_ids, groups)
+    mode = "train" if trainer.model.training else "eval"
+    args = trainer.args
+    key = trainer._rollout_seeds.next_key(trainer.state.global_step, trainer._step % args.gradient_accumulation_steps,
+                                          mode, trainer.accelerator.process_index)
+    bar = tqdm(total=len(prompt_ids), desc="rollout", unit="sample", leave=False,
+               disable=args.disable_tqdm or not trainer.accelerator.is_local_main_process)
+
+    def on_row_finished(row: int, ids: list[int]) -> None:  # on this thread, between two engine steps
+        bar.update(1)
+        if stream is not None:
+            stream.add(row, ids)
+
+    multi_turn = _multi_turn(trainer)
+    try:
+        # under the autocast of TRL's training forwards (`accelerator.autocast()`: bf16 / fp16 mixed precision,
+        # which the prepared model's `forward` also enters): the engine is built, checked and run under it
+        with (profiling_context(trainer, "rollout_engine.generate"), generation_model(trainer) as model,
+              trainer.accelerator.autocast()):
+            config = effective_generation_config(model, trainer.generation_config)
+            sampling = engine_sampling_params(config, trainer.max_completion_length, trainer.eos_token_ids,
+                                              rollout_seed(args.seed, key), logprobs_temperature=trainer.temperature)
+            engine = trainer._get_engine(model)
+            completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished,
+                                                         keep_pool=multi_turn)
+    finally:
+        bar.close()
+    if stream is not None:
+        stream.flush()
+    for s in stats:
+        metrics = rollout_metrics(s)
+        if multi_turn:
+            metrics.update(turn_metrics(s, trainer._rollout_turn))
+        for name, value in metrics.items():
+            trainer._metrics[mode][name].append(value)
+    if trainer._rollout_turn is not None:
+        trainer._rollout_turn += 1
+    return completions, logprobs
+
+
+def _multi_turn(trainer) -> bool:
+    """Inside a rollout that may call the engine again with conversations continuing this call's (TRL's tool loop,
+    `environment_factory`, a `rollout_func`): the engine keeps its pool and caches the completions."""
+    return getattr(trainer, "_rollout_turn", None) is not None and (
+        bool(trainer.tools) or trainer.rollout_func is not None
+        or getattr(trainer, "environment_factories", None) is not None)
+
+
+@contextmanager
+def generation_model(trainer):
+    """The trained model, unwrapped (ZeRO-3 / FSDP parameters gathered) exactly as TRL does for `generate`, in eval
+    mode (no dropout) for the duration of the rollout."""
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        was_training = model.training
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)

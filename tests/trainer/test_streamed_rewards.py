@@ -13,7 +13,7 @@ from test_trainer_train import make_trainer
 from trainer_helpers import cpu_args, token_sum_reward
 
 from trl_infinite.trainer import InfiniteGRPOConfig
-from trl_infinite.trainer.streaming import ChunkScores, StreamingRewards
+from trl_infinite.trainer.streamed_rewards import ChunkScores, StreamingRewards
 
 ENGINE_FILE = str(Path(__file__).resolve().parents[2] / "trl_infinite" / "engine" / "engine.py")
 

@@ -1,17 +1,22 @@
 """Scores some rows of a batch with the trainer's reward functions, called exactly as TRL's `_calculate_rewards`
 calls them (same keyword arguments, dataset columns, `trainer_state`, `log_extra`, `log_metric`, `environments`;
-async functions gathered on TRL's event loop), only on fewer rows."""
+async functions gathered on TRL's event loop), only on fewer rows; and the start of a rollout's stream
+(`start_stream`: where the batch can be scored while it decodes, `streamed_rewards.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from trl.chat_template_utils import parse_response
+from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
 
-from trl_infinite.trainer.cached_rewards import streamed_funcs
-from trl_infinite.trainer.rollout import PromptRun
-from trl_infinite.trainer.streaming import ChunkScores
+from trl_infinite.trainer.streamed_rewards import ChunkScores, StreamingRewards, streamed_funcs
+
+if TYPE_CHECKING:
+    from trl_infinite.trainer.rollout import PromptRun
 
 _RESERVED = ("prompt", "completion", "completion_ids")
 
@@ -115,3 +120,47 @@ class ChunkScorer:
 def _short(prompt) -> str:
     text = repr(prompt)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _streamable(trainer, prompt_ids: list) -> bool:
+    return (
+        trainer._batch_inputs is not None
+        and trainer._batch_prompts is not None
+        and trainer._stream_slot.get() is None  # the first turn only; tool-loop re-entries are scored at the end
+        and len(prompt_ids) == len(trainer._batch_prompts)
+        and not trainer.tools
+        and trainer.rollout_func is None
+        and getattr(trainer, "environment_factories", None) is None
+        and bool(streamed_funcs(trainer.reward_funcs))
+    )
+
+
+def start_stream(trainer, prompt_ids: list, groups: list[PromptRun]) -> StreamingRewards | None:
+    """The stream scoring this engine call's rows as they finish, opened in the trainer's `StreamSlot`; None where
+    the batch is scored after generation (tools, `rollout_func`, environments, a tool-loop re-entry, no streamed
+    function)."""
+    if not _streamable(trainer, prompt_ids):
+        return None
+    prompts = trainer._batch_prompts
+
+    def decode(row: int, ids: list[int]):
+        return decode_completion(trainer, prompts[row], prompt_ids[row], ids)
+
+    scorer = ChunkScorer(trainer, trainer._batch_inputs, prompts, decode, groups)
+    chunk = trainer.engine_config.scheduling.max_active_sequences or trainer.num_generations
+    if getattr(trainer.args, "rollout_reward_chunks", "groups") == "batch":
+        chunk = len(prompt_ids)
+    stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, trainer._reward_executor,
+                              group_sizes=[g.length for g in groups])
+    trainer._stream_slot.open(stream)
+    return stream
+
+
+def decode_completion(trainer, prompt, prompt_ids: list[int], ids: list[int]):
+    """One completion as TRL's `_generate` decodes it (text, or an assistant message for chat prompts)."""
+    if not is_conversational({"prompt": prompt}):
+        return trainer.processing_class.decode(ids, skip_special_tokens=True)
+    tok = trainer._tokenizer
+    if getattr(tok, "response_template", None) is not None or getattr(tok, "response_schema", None) is not None:
+        return [parse_response(tok, ids, prefix=prompt_ids, tools=trainer.tools)]
+    return [{"role": "assistant", "content": trainer.processing_class.decode(ids, skip_special_tokens=True)}]
