@@ -1,5 +1,5 @@
-"""`generation_kwargs`: keys the engine runs go through transformers' processors; keys it cannot run (beam search)
-make the trainer generate with TRL's own path, with one warning naming them."""
+"""`trainer/generation_config.py`: `generation_kwargs` keys the engine runs go through transformers' processors; keys it
+cannot run (beam search) make the trainer generate with TRL's own path, with one warning naming them."""
 
 import warnings
 

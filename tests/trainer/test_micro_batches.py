@@ -1,5 +1,5 @@
-"""The gradient accumulated over one generation batch equals vanilla `GRPOTrainer`'s for the same completions,
-although the micro batches are length-sorted and each padded only to its own longest sequence."""
+"""`trainer/micro_batches.py`: the gradient accumulated over one generation batch equals vanilla `GRPOTrainer`'s for the
+same completions, although the micro batches are length-sorted and each padded only to its own longest sequence."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
-"""Streamed rewards: scored in chunks between decode steps on the training thread (so `signal.alarm` works), read
-by TRL's own `_calculate_rewards` (its all-None warning, its logger, `log_extra` in row order)."""
+"""Streamed rewards (`trainer/streamed_rewards.py`, `trainer/reward_scoring.py`): scored in chunks between decode steps
+on the training thread (so `signal.alarm` works), read by TRL's own `_calculate_rewards` (its all-None warning, its
+logger, `log_extra` in row order)."""
 
 import asyncio
 import inspect

@@ -37,8 +37,9 @@ import torch
 from accelerate.utils import DistributedType
 
 from trl_infinite.engine.runner import host_memory
+from trl_infinite.trainer.compat import TRL_HOOKS
 from trl_infinite.trainer.loss_metrics import loss_mask, merge_metrics, metric_weights, piece_rows
-from trl_infinite.trainer.micro_batches import TRL_SET_KEY, permute_rows, take_rows
+from trl_infinite.trainer.micro_batches import TRL_SET_KEY, take_rows
 
 ROW_MEAN_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
 TOKEN_MEAN_LOSSES = ("bnpo",)
@@ -50,8 +51,7 @@ ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "a
 _SLICED_DISTRIBUTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 # the batch entries TRL's `_compute_loss` passes to the log-prob forward besides the ids and masks (row-aligned ones
 # only reach `_loss_pieces`: batches with images use TRL's split)
-_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_FORWARD_KEYS = TRL_HOOKS["_get_per_token_logps_and_entropies"][8:]
 
 
 def packed_tokens(inputs: dict) -> torch.Tensor:
@@ -154,7 +154,7 @@ def _loss_pieces(trainer, trl_loss, model, inputs: dict, sets: torch.Tensor | No
         torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), inputs["completion_ids"].size(1),
         compute_entropy=True, compute_aux_loss=False, **{k: inputs.get(k) for k in _FORWARD_KEYS},
     )
-    subs = [permute_rows(inputs, index) for _, index in split]
+    subs = [take_rows(inputs, index) for _, index in split]
     total = None
     for (s, index), sub, weight in zip(split, subs, loss_weights(trainer.loss_type, subs)):
         trainer._forward_rows = (logps[index], entropies[index], aux)  # read by the trainer's next forward call

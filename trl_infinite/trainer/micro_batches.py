@@ -61,23 +61,18 @@ def length_order(batch: dict) -> torch.Tensor:
     return torch.argsort(lengths, descending=True, stable=True)
 
 
-def permute_rows(batch: dict, perm: torch.Tensor) -> dict:
-    """Applies a row permutation to every per-row entry (tensors with a batch dim and lists); scalars pass."""
+def take_rows(batch: dict, rows: slice | torch.Tensor) -> dict:
+    """The rows `rows` (a slice, or row indices in their order) of every per-row entry (tensors with a batch dim and
+    lists); scalars shared."""
     out = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 1:
-            out[key] = value[perm.to(value.device)]
+            out[key] = value[rows if isinstance(rows, slice) else rows.to(value.device)]
         elif isinstance(value, list):
-            out[key] = [value[i] for i in perm.tolist()]
+            out[key] = value[rows] if isinstance(rows, slice) else [value[i] for i in rows.tolist()]
         else:
             out[key] = value
     return out
-
-
-def take_rows(batch: dict, rows: slice) -> dict:
-    """The rows `rows` of every per-row entry (tensors with a batch dim and lists); scalars shared."""
-    return {k: (v[rows] if (isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim >= 1)) else v)
-            for k, v in batch.items()}
 
 
 def split_rows(batch: dict, num_chunks: int) -> list[dict]:
@@ -140,7 +135,7 @@ def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: i
         order = group_order(batch, position) if by_group else length_order(batch)
         if tag_trl_sets and num_chunks > 1:
             batch = {**batch, TRL_SET_KEY: position // (rows // num_chunks)}
-    chunks = split_rows(permute_rows(batch, order), num_chunks)
+    chunks = split_rows(take_rows(batch, order), num_chunks)
     if sort:  # a random order of the micro batches, from the same draw
         chunks = [chunks[i] for i in torch.argsort(trl_perm[:num_chunks]).tolist()]
     return [trim_padding(c, multiple) if trim else c for c in chunks]
