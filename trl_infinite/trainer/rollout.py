@@ -133,32 +133,19 @@ def generate_rows(
     return completions, logprobs, stats
 
 
+# the `rollout/<name>` metrics of one engine call, in logging order (`*_gb`: the stat `*_bytes` in GB)
+_METRICS = ("tokens_per_second", "decode_steps", "peak_kv_gb", "weight_copy_gb", "peak_active_sequences",
+            "prefill_tokens", "prefix_cache_hit_tokens", "generated_tokens", "preemptions", "wall_time_s",
+            "mean_active_sequences", "kv_utilization", "tail_decode_steps", "offloaded_blocks", "parks", "graph_captures")
+_SPEC_METRICS = ("mean_acceptance_length", "draft_tokens", "accepted_tokens", "verify_steps")  # speculative decoding
+
+
 def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
     """The `rollout/*` metrics of one engine call, i.e. of one turn of a tool loop (plus every numeric
     `stats.extra` counter)."""
-    out = {
-        "rollout/tokens_per_second": stats.tokens_per_second,
-        "rollout/decode_steps": float(stats.decode_steps),
-        "rollout/peak_kv_gb": stats.peak_kv_bytes / 1e9,
-        "rollout/weight_copy_gb": stats.weight_copy_bytes / 1e9,
-        "rollout/peak_active_sequences": float(stats.peak_active_sequences),
-        "rollout/prefill_tokens": float(stats.prefill_tokens),
-        "rollout/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens),
-        "rollout/generated_tokens": float(stats.generated_tokens),
-        "rollout/preemptions": float(stats.preemptions),
-        "rollout/wall_time_s": stats.wall_time_s,
-        "rollout/mean_active_sequences": stats.mean_active_sequences,
-        "rollout/kv_utilization": stats.kv_utilization,
-        "rollout/tail_decode_steps": float(stats.tail_decode_steps),
-        "rollout/offloaded_blocks": float(stats.offloaded_blocks),
-        "rollout/parks": float(stats.parks),
-        "rollout/graph_captures": float(stats.graph_captures),
-    }
-    if stats.verify_steps:  # speculative decoding ran
-        out["rollout/mean_acceptance_length"] = stats.mean_acceptance_length
-        out["rollout/draft_tokens"] = float(stats.draft_tokens)
-        out["rollout/accepted_tokens"] = float(stats.accepted_tokens)
-        out["rollout/verify_steps"] = float(stats.verify_steps)
+    names = _METRICS + (_SPEC_METRICS if stats.verify_steps else ())
+    out = {f"rollout/{n}": (getattr(stats, n[:-3] + "_bytes") / 1e9 if n.endswith("_gb") else float(getattr(stats, n)))
+           for n in names}
     for key, value in stats.extra.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"rollout/{key}"] = float(value)
