@@ -44,10 +44,10 @@ class ChunkScorer:
             if is_async:
                 pending.append((f, func, kwargs, extra))
                 continue
-            out.values[f] = self._checked(f, rows, self._guarded(f, func, rows, completions, completion_ids, kwargs))
+            out.values[f] = self._checked(f, rows, self._guarded(f, func, rows, kwargs))
             out.extra[f] = extra
         if pending:  # like TRL: every async function of the chunk runs concurrently on the trainer's event loop
-            results = self._run_async(pending, rows, completions, completion_ids)
+            results = self._run_async(pending, rows)
             for (f, _, _, extra), values in zip(pending, results):
                 out.values[f] = self._checked(f, rows, values)
                 out.extra[f] = extra
@@ -72,7 +72,7 @@ class ChunkScorer:
             kwargs["environments"] = [t.environments[r] for r in rows]
         return kwargs
 
-    def _guarded(self, f: int, func, rows, completions, completion_ids, kwargs) -> list:
+    def _guarded(self, f: int, func, rows: list[int], kwargs: dict) -> list:
         try:
             with profiling_context(self.trainer, self.names[f]):
                 return func(**kwargs)
@@ -80,7 +80,7 @@ class ChunkScorer:
             self._annotate(f, rows, err)
             raise
 
-    def _run_async(self, pending: list, rows, completions, completion_ids) -> list[list]:
+    def _run_async(self, pending: list, rows: list[int]) -> list[list]:
         async def one(f, func, kwargs):
             with profiling_context(self.trainer, self.names[f]):
                 return await func(**kwargs)
