@@ -200,7 +200,10 @@ def check_sampling_logps(sampled: list, ours: Run) -> None:
     """The engine sampled from the weights it was given: each completion's sampling log-probs (TRL's convention,
     `log_softmax(logits / T)` of the sampled token) equal the loss forward's log-probs of the row in the optimizer
     step of its rollout (every row's first loss forward runs before the next optimizer step in the drawn configs). A
-    prefix cache or weight copy kept from earlier weights breaks it."""
+    prefix cache or weight copy kept from earlier weights breaks it. Not with a random training forward (dropout on):
+    the loss forward then draws dropout masks, the rollout runs in eval mode (as `generate` does)."""
+    if ours.trainer.random_forward is not None:
+        return
     checked = 0
     for step, prompt_ids, (completions, logps) in sampled:
         if logps is None:  # TRL's own generation (a refused model)
