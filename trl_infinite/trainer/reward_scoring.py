@@ -128,17 +128,14 @@ def _streamable(trainer, prompt_ids: list) -> bool:
         and trainer._batch_prompts is not None
         and trainer._stream_slot.get() is None  # the first turn only; tool-loop re-entries are scored at the end
         and len(prompt_ids) == len(trainer._batch_prompts)
-        and not trainer.tools
-        and trainer.rollout_func is None
-        and getattr(trainer, "environment_factories", None) is None
         and bool(streamed_funcs(trainer.reward_funcs))
     )
 
 
 def start_stream(trainer, prompt_ids: list, groups: list[PromptRun]) -> StreamingRewards | None:
     """The stream scoring this engine call's rows as they finish, opened in the trainer's `StreamSlot`; None where
-    the batch is scored after generation (tools, `rollout_func`, environments, a tool-loop re-entry, no streamed
-    function)."""
+    the batch is scored after generation (a tool-loop re-entry, no streamed function; the caller leaves out
+    rollouts of several turns)."""
     if not _streamable(trainer, prompt_ids):
         return None
     prompts = trainer._batch_prompts

@@ -163,7 +163,8 @@ def engine_rollout(trainer, prompt_ids: list, num_generations: int) -> tuple[lis
     log-probs in TRL's convention), both in row order; the `rollout/*` metrics logged. Raises the engine's
     `UnsupportedModelError` where the full support contract fails (the trainer then falls back)."""
     groups = trl_groups(len(prompt_ids), num_generations, trainer.accelerator.process_index * len(prompt_ids))
-    stream = start_stream(trainer, prompt_ids, groups)
+    turn_based = _turn_based(trainer)
+    stream = None if turn_based else start_stream(trainer, prompt_ids, groups)
     mode = "train" if trainer.model.training else "eval"
     args = trainer.args
     key = trainer._rollout_seeds.next_key(trainer.state.global_step, trainer._step % args.gradient_accumulation_steps,
@@ -176,7 +177,7 @@ def engine_rollout(trainer, prompt_ids: list, num_generations: int) -> tuple[lis
         if stream is not None:
             stream.add(row, ids)
 
-    multi_turn = _multi_turn(trainer)
+    multi_turn = turn_based and getattr(trainer, "_rollout_turn", None) is not None
     try:
         # under the autocast of TRL's training forwards (`accelerator.autocast()`: bf16 / fp16 mixed precision,
         # which the prepared model's `forward` also enters): the engine is built, checked and run under it
@@ -203,12 +204,12 @@ def engine_rollout(trainer, prompt_ids: list, num_generations: int) -> tuple[lis
     return completions, logprobs
 
 
-def _multi_turn(trainer) -> bool:
-    """Inside a rollout that may call the engine again with conversations continuing this call's (TRL's tool loop,
-    `environment_factory`, a `rollout_func`): the engine keeps its pool and caches the completions."""
-    return getattr(trainer, "_rollout_turn", None) is not None and (
-        bool(trainer.tools) or trainer.rollout_func is not None
-        or getattr(trainer, "environment_factories", None) is not None)
+def _turn_based(trainer) -> bool:
+    """A rollout that may call the engine again with conversations continuing this call's (TRL's tool loop,
+    `environment_factory`, a `rollout_func`): inside one, the engine keeps its pool and caches the completions, and
+    the rewards are scored after the rollout."""
+    return (bool(trainer.tools) or trainer.rollout_func is not None
+            or getattr(trainer, "environment_factories", None) is not None)
 
 
 @contextmanager
