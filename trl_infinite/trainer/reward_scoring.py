@@ -122,34 +122,27 @@ def _short(prompt) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _streamable(trainer, prompt_ids: list) -> bool:
-    return (
-        trainer._batch_inputs is not None
-        and trainer._batch_prompts is not None
-        and trainer._stream_slot.get() is None  # the first turn only; tool-loop re-entries are scored at the end
-        and len(prompt_ids) == len(trainer._batch_prompts)
-        and bool(streamed_funcs(trainer.reward_funcs))
-    )
-
-
 def start_stream(trainer, prompt_ids: list, groups: list[PromptRun]) -> StreamingRewards | None:
     """The stream scoring this engine call's rows as they finish, opened in the trainer's `StreamSlot`; None where
     the batch is scored after generation (a tool-loop re-entry, no streamed function; the caller leaves out
     rollouts of several turns)."""
-    if not _streamable(trainer, prompt_ids):
+    slot = trainer._stream_slot
+    if (slot.inputs is None or slot.prompts is None or len(prompt_ids) != len(slot.prompts)
+            or slot.stream is not None  # the first turn only; tool-loop re-entries are scored at the end
+            or not streamed_funcs(trainer.reward_funcs)):
         return None
-    prompts = trainer._batch_prompts
+    prompts = slot.prompts
 
     def decode(row: int, ids: list[int]):
         return decode_completion(trainer, prompts[row], prompt_ids[row], ids)
 
-    scorer = ChunkScorer(trainer, trainer._batch_inputs, prompts, decode, groups)
+    scorer = ChunkScorer(trainer, slot.inputs, prompts, decode, groups)
     chunk = trainer.engine_config.scheduling.max_active_sequences or trainer.num_generations
     if getattr(trainer.args, "rollout_reward_chunks", "groups") == "batch":
         chunk = len(prompt_ids)
-    stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, trainer._reward_executor,
+    stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, slot.executor,
                               group_sizes=[g.length for g in groups])
-    trainer._stream_slot.open(stream)
+    slot.stream = stream
     return stream
 
 

@@ -125,20 +125,19 @@ class StreamingRewards:
         return [values[i] for i in range(self.num_rows)], extra
 
 
+@dataclass
 class StreamSlot:
-    """The stream of the batch being generated (at most one at a time), shared with the cached reward functions."""
+    """The batch being generated, shared by the trainer and the cached reward functions: TRL's inputs and prompts
+    (while `_generate_and_score_completions` runs), its stream once an engine call opened one (at most one at a
+    time), and the executor of `rollout_reward_executor` (None: the calling thread)."""
 
-    def __init__(self):
-        self._stream: StreamingRewards | None = None
-
-    def open(self, stream: StreamingRewards) -> None:
-        self._stream = stream
+    executor: ThreadPoolExecutor | None = None
+    inputs: list[dict] | None = None
+    prompts: list | None = None
+    stream: StreamingRewards | None = None
 
     def close(self) -> None:
-        self._stream = None
-
-    def get(self) -> StreamingRewards | None:
-        return self._stream
+        self.inputs = self.prompts = self.stream = None
 
 
 class CachedRewardFunc:
@@ -149,7 +148,7 @@ class CachedRewardFunc:
         self.func, self.index, self.slot = func, index, slot
 
     def _cached(self, kwargs: dict) -> list | None:
-        stream = self.slot.get()
+        stream = self.slot.stream
         ids = kwargs.get("completion_ids")
         if stream is None or ids is None:
             return None

@@ -52,15 +52,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         if self.optimizer is not None:  # given through `optimizers=`
             self._weight_events.hook_optimizer(self.optimizer)
         self._rollout_seeds = RolloutSeeds()
-        self._stream_slot = StreamSlot()
+        thread = getattr(self.args, "rollout_reward_executor", "main_thread") == "thread"
+        self._stream_slot = StreamSlot(
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards") if thread else None)
         self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
-        executor = getattr(self.args, "rollout_reward_executor", "main_thread")
-        self._reward_executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards") if executor == "thread"
-            else None
-        )
-        self._batch_inputs: list[dict] | None = None
-        self._batch_prompts: list | None = None
         self._rollout_turn: int | None = None  # engine calls so far in the running `_generate` (None: outside)
         self.engine_fallback_reasons: list[str] = []
         if not (self.use_vllm or self.use_transformers_continuous_batching):
@@ -133,11 +128,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation
     def _generate_and_score_completions(self, inputs):
-        self._batch_inputs = inputs
+        self._stream_slot.inputs = inputs
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
-            self._batch_inputs = self._batch_prompts = None
             self._stream_slot.close()
 
     def _generate(self, prompts: list):
@@ -147,7 +141,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         conversation); released at the end as `rollout_kv_cache_release` says. The cache outlives the rollout only
         under `rollout_kv_cache_reuse_across_calls=True`, never an optimizer step or a weight load
         (`weight_events.py`)."""
-        self._batch_prompts = prompts
+        self._stream_slot.prompts = prompts
         self._rollout_turn = 0
         try:
             return super()._generate(prompts)
@@ -173,7 +167,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         try:
             return engine_rollout(self, prompt_ids, num_generations)
         except UnsupportedModelError as err:  # the full support contract failed: TRL's own (exact) generation
-            self._stream_slot.close()  # nothing was generated: TRL's path scores the batch after generation
+            self._stream_slot.stream = None  # nothing was generated: TRL's path scores the batch after generation
             self.engine_fallback_reasons.append(str(err))
             self._warn_fallback(stacklevel=2)
             return self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
