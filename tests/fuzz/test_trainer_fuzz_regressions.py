@@ -19,6 +19,8 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
    trainer now runs TRL's micro batches and forward for a random training forward (`trainer/stochastic.py`).
 7. The harness, not the trainer: with dropout on, it compared the engine's sampling log-probs (eval mode, as
    `generate`) with the loss forward's, which draws dropout masks (0.019 nats off on GPT-2).
+8. The harness again: on GPT-2 (learned positions) with prompts of two lengths, it compared the rollout's log-probs
+   of the left-padded row (numbered from its first token) with TRL's forward (numbered from column 0): 0.116 nats.
 """
 
 from __future__ import annotations
@@ -131,4 +133,14 @@ def test_engine_rollout_with_dropout_on(tmp_path):
     case = Case(family="gpt2", model_overrides={"num_hidden_layers": 1}, args=args,
                 ours={"shared_prefix_training": False, "backward_token_budget": None, "rollout_max_active_sequences": 1,
                       "rollout_block_size": 1}, prompts=["0"], completion_seed=0, rollout="engine", rewards=("token_sum",))
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_engine_rollout_of_a_left_padded_row_with_learned_positions(tmp_path):
+    """8. GPT-2, dropout off, prompts of one and two tokens rolled out by the engine, two iterations."""
+    args = {**ARGS, "num_iterations": 2, "max_completion_length": 1, "disable_dropout": True, "max_steps": 2}
+    case = Case(family="gpt2", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": None, "rollout_max_active_sequences": 1,
+                      "rollout_block_size": 1, "rollout_kv_cache_release": False}, prompts=["0", "0 0"],
+                completion_seed=0, rollout="engine", rewards=("token_sum",))
     run_case(case, tmp_path, tiny_tokenizer())
