@@ -20,13 +20,15 @@ EOS = 1  # the tiny tokenizer's `<eos>`
 @dataclass(frozen=True)
 class Family:
     """A model of the matrix: its model type, the config overrides drawn, and what it needs (`gate`: a PENDING
-    entry that must be off; `refused`: `engine` (the engine's contract refuses it) or None)."""
+    entry that must be off; `refused`: `engine` (the engine's contract refuses it) or None; `absolute_positions`:
+    learned positions by column, so a left-padded row's training forward is not the rollout's distribution)."""
 
     model_type: str
     overrides: dict = field(default_factory=dict)
     gate: str | None = None
     refused: str | None = None
     moe: bool = False
+    absolute_positions: bool = False
 
 
 def _rope(kind: str, **extra) -> dict:
@@ -54,7 +56,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("mixtral", moe=True),
     # positions that depend on the padding (GPT-2: learned, by column; OPT: from the mask); both with dropout on by
     # default (TRL's micro batches and forward then: `trainer/stochastic.py`) or off (drawn)
-    "gpt2": Family("gpt2"),
+    "gpt2": Family("gpt2", absolute_positions=True),
     "opt": Family("opt"),
     # length-dependent RoPE: refused by the engine's contract (`engine/model/rope_length.py`), trained exactly
     # (`max_position_embeddings` 16: the widths of TRL's batches cross it, where dynamic NTK starts scaling)

@@ -178,7 +178,7 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         finally:
             InfiniteGRPOTrainer._generate_single_turn = original
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, replay)
-        check_sampling_logps(sampled, ours)
+        check_sampling_logps(sampled, ours, FAMILIES[case.family].absolute_positions)
     check_contracts(case, ours)
     compare(ours, ref)
 
@@ -196,18 +196,25 @@ def check_contracts(case: Case, ours: Run) -> None:
         assert any("instead of the shared-prefix forward" in w for w in ours.warnings), ours.warnings
 
 
-def check_sampling_logps(sampled: list, ours: Run) -> None:
+def check_sampling_logps(sampled: list, ours: Run, absolute_positions: bool = False) -> None:
     """The engine sampled from the weights it was given: each completion's sampling log-probs (TRL's convention,
     `log_softmax(logits / T)` of the sampled token) equal the loss forward's log-probs of the row in the optimizer
     step of its rollout (every row's first loss forward runs before the next optimizer step in the drawn configs). A
-    prefix cache or weight copy kept from earlier weights breaks it."""
+    prefix cache or weight copy kept from earlier weights breaks it. Not with a random training forward (dropout on):
+    the loss forward then draws dropout masks, the rollout runs in eval mode (as `generate` does); nor for a
+    left-padded row of a model with `absolute_positions` (TRL's forward numbers it from column 0, the rollout from its
+    first token: `GRPOTrainer`'s behaviour, docs/trainer.md "Positions")."""
+    if ours.trainer.random_forward is not None:
+        return
     checked = 0
     for step, prompt_ids, (completions, logps) in sampled:
         if logps is None:  # TRL's own generation (a refused model)
             continue
+        width = max(len(p) for p in prompt_ids)
         for prompt, ids, lp in zip(prompt_ids, completions, logps):
             seen = ours.logps.get((step, tuple(prompt), tuple(ids)))
-            if seen is None:  # masked entirely (a truncated completion under `mask_truncated_completions`)
+            # masked entirely (a truncated completion under `mask_truncated_completions`), or left-padded (above)
+            if seen is None or (absolute_positions and len(prompt) < width):
                 continue
             want = seen[0]
             got = torch.tensor(lp, dtype=want.dtype)

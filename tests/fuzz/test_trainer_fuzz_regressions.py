@@ -17,6 +17,10 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
    `*_pdrop` modules): our micro batches (rows in another order, trimmed padding) drew other dropout masks than
    `GRPOTrainer`'s split, so log-probs differed by the dropout itself (0.0325 nats on OPT, 0.04 on GPT-2); the
    trainer now runs TRL's micro batches and forward for a random training forward (`trainer/stochastic.py`).
+7. The harness, not the trainer: with dropout on, it compared the engine's sampling log-probs (eval mode, as
+   `generate`) with the loss forward's, which draws dropout masks (0.019 nats off on GPT-2).
+8. The harness again: on GPT-2 (learned positions) with prompts of two lengths, it compared the rollout's log-probs
+   of the left-padded row (numbered from its first token) with TRL's forward (numbered from column 0): 0.116 nats.
 """
 
 from __future__ import annotations
@@ -118,4 +122,25 @@ def test_dropout_modules_with_several_micro_batches_and_shared_prefix(tmp_path):
                 ours={"shared_prefix_training": True, "backward_token_budget": None},
                 prompts=["what is 1 plus 2 ?", "a b"], completion_seed=0, rollout="fixed", rewards=("token_sum",),
                 completions=[[5, 6, 7, EOS], [9], [13, 14, 15, 16], [17, 18]])
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_engine_rollout_with_dropout_on(tmp_path):
+    """7. GPT-2 with its default `*_pdrop=0.1` and `disable_dropout=False`, rolled out by the engine, two
+    iterations: the sampling log-prob check held the eval-mode rollout to the dropout forward's log-probs."""
+    args = {**ARGS, "per_device_train_batch_size": 2, "num_iterations": 2, "max_completion_length": 1,
+            "disable_dropout": False, "max_steps": 2}
+    case = Case(family="gpt2", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": None, "rollout_max_active_sequences": 1,
+                      "rollout_block_size": 1}, prompts=["0"], completion_seed=0, rollout="engine", rewards=("token_sum",))
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_engine_rollout_of_a_left_padded_row_with_learned_positions(tmp_path):
+    """8. GPT-2, dropout off, prompts of one and two tokens rolled out by the engine, two iterations."""
+    args = {**ARGS, "num_iterations": 2, "max_completion_length": 1, "disable_dropout": True, "max_steps": 2}
+    case = Case(family="gpt2", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": None, "rollout_max_active_sequences": 1,
+                      "rollout_block_size": 1, "rollout_kv_cache_release": False}, prompts=["0", "0 0"],
+                completion_seed=0, rollout="engine", rewards=("token_sum",))
     run_case(case, tmp_path, tiny_tokenizer())

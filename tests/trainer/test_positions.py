@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 from datasets import Dataset
-from test_trainer_gradient import GradCapture
-from trainer_helpers import cpu_args, token_sum_reward
+from trainer_helpers import GradCapture, cpu_args, token_sum_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_infinite.testing.tiny_configs import build_tiny_model

@@ -20,6 +20,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
+from trl_infinite.trainer.loss_slices import loss_slices
 from trl_infinite.trainer.packing import GroupedLayout, pack_rows
 from trl_infinite.trainer.prefix_probe import padded_reference, probe_batch
 from trl_infinite.trainer.shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
@@ -118,7 +119,7 @@ def test_token_budget_slices_keep_loss_gradients_and_metrics(tmp_path, tokenizer
     ref, ours = trainers(tmp_path, "qwen3", tokenizer, dataset, backward_token_budget=20,
                          shared_prefix_training=shared)
     inputs = trl_batch(ref.model.config.vocab_size, seed=1)
-    assert len(ours._loss_slices(inputs)) > 2
+    assert len(loss_slices(ours, inputs)) > 2
     for loss_type in LOSSES:
         ref.loss_type = ours.loss_type = loss_type
         ref._metrics["train"].clear()
@@ -138,7 +139,7 @@ def test_token_budget_slices_keep_loss_gradients_and_metrics(tmp_path, tokenizer
 
 def test_budget_not_applied_where_the_loss_is_not_a_sum_over_rows(tmp_path, tokenizer, dataset):
     _, ours = trainers(tmp_path, "qwen3", tokenizer, dataset, backward_token_budget=20, top_entropy_quantile=0.5)
-    assert ours._loss_slices(trl_batch(96)) is None
+    assert loss_slices(ours, trl_batch(96)) is None
 
 
 def test_refused_model_trains_with_trls_forward_and_says_why(tmp_path, tokenizer, dataset):
@@ -153,7 +154,7 @@ def test_refused_model_trains_with_trls_forward_and_says_why(tmp_path, tokenizer
 
 def test_micro_batches_hold_whole_groups(tmp_path, tokenizer, dataset):
     """With the shared-prefix forward and two micro batches per generation, each micro batch holds whole groups."""
-    from trl_infinite.trainer.backprop import make_micro_batches
+    from trl_infinite.trainer.micro_batches import make_micro_batches
 
     batch = trl_batch(96, group_size=4)
     for _ in range(5):  # random group order: every draw keeps groups whole

@@ -17,6 +17,7 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
+from trl_infinite.trainer.loss_slices import loss_slices
 from trl_infinite.trainer.stochastic import random_training_forward
 
 
@@ -77,7 +78,7 @@ def test_trainer_with_dropout_runs_trls_micro_batches(tmp_path, tokenizer, datas
     inputs = {"prompt_ids": torch.ones(2, 40, dtype=torch.long), "prompt_mask": torch.ones(2, 40),
               "completion_ids": torch.ones(2, 8, dtype=torch.long), "completion_mask": torch.ones(2, 8),
               "advantages": torch.zeros(2)}
-    assert trainer._loss_slices(inputs) is None  # over the budget, but not sliced
+    assert loss_slices(trainer, inputs) is None  # over the budget, but not sliced
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

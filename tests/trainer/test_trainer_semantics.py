@@ -89,7 +89,7 @@ def test_off_policy_mask_keeps_on_policy_sequences_under_top_k(tmp_path, tokeniz
 
 
 def _sampling(trainer):
-    from trl_infinite.trainer.generation import effective_generation_config, engine_sampling_params
+    from trl_infinite.trainer.generation_config import effective_generation_config, engine_sampling_params
 
     config = effective_generation_config(trainer.model, trainer.generation_config)
     return engine_sampling_params(config, 6, trainer.eos_token_ids, 0, logprobs_temperature=trainer.temperature)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transformers import TrainerCallback
+
 PROMPTS = [
     "what is 1 plus 2 ?",
     "is a knight a knave ?",
@@ -46,3 +48,14 @@ def cpu_args(tmp_path, cls=None, **overrides):
 def token_sum_reward(completion_ids, **kwargs):
     """A reward that varies between samples of a random model: the token-id sum modulo 7."""
     return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+class GradCapture(TrainerCallback):
+    """Copies the accumulated gradients right before the (first) optimizer step."""
+
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 
-SUPPORTED_TRL = ">=1.16,<1.17"  # keep in sync with pyproject.toml (tested in tests/trainer/test_trainer_compat.py)
+SUPPORTED_TRL = ">=1.16,<1.17"  # keep in sync with pyproject.toml (tested in tests/trainer/test_compat.py)
 
 # GRPOTrainer methods overridden or called by InfiniteGRPOTrainer -> their parameters in the supported range
 TRL_HOOKS: dict[str, tuple[str, ...]] = {

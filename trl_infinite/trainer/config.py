@@ -17,7 +17,7 @@ from trl import GRPOConfig
 
 from trl_infinite.engine.config.engine_config import EngineConfig
 from trl_infinite.engine.config.sections import flags
-from trl_infinite.trainer.streaming import REWARD_CHUNKS, REWARD_EXECUTORS
+from trl_infinite.trainer.streamed_rewards import REWARD_CHUNKS, REWARD_EXECUTORS
 
 PREFIX = "rollout_"
 TRAINER_ONLY = ("rollout_reward_executor", "rollout_reward_chunks")  # `rollout_*` fields of the trainer itself, not of `EngineConfig`
@@ -98,7 +98,7 @@ class InfiniteGRPOConfig(GRPOConfig):
             "help": "Most tokens in one forward + backward of the loss (the packed tokens of the shared-prefix "
             "forward, else rows x padded width). A micro batch above it runs as that many slices of rows (whole "
             "groups where they fit) whose gradients accumulate into exactly the micro batch's, so the memory of the "
-            "backward stays flat in G and completion length (`trainer/sub_batches.py`); TRL's metrics are merged "
+            "backward stays flat in G and completion length (`trainer/loss_slices.py`); TRL's metrics are merged "
             "back to the micro batch's values. Applies to the losses that are sums over rows (all but the entropy "
             "bonus, `top_entropy_quantile < 1` and the MoE auxiliary loss) without DeepSpeed / FSDP. None: TRL's "
             "one pass per micro batch."

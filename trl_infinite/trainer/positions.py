@@ -6,7 +6,7 @@ completion) and no `position_ids`, so the model numbers its tokens itself: by co
 learned positions, RoPE, ...) or from the attention mask (OPT). `InfiniteGRPOTrainer` keeps exactly these
 numbers in every training forward:
 
-- micro batches keep the generation batch's prompt columns (`backprop.trim_padding` drops trailing completion
+- micro batches keep the generation batch's prompt columns (`micro_batches.trim_padding` drops trailing completion
   columns only), so a token's column, and its position, is the one it has in TRL's batch;
 - the shared-prefix forward (`packing.py`) passes each packed token's column as its position;
 - a RoPE whose frequencies depend on the longest position of the forward (`dynamic` NTK scaling, Phi-3's

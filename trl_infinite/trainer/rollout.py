@@ -1,18 +1,29 @@
-"""From TRL's `_generate_single_turn` inputs to engine calls and back.
+"""From TRL's `_generate_single_turn` inputs to engine calls and back (`engine_rollout`).
 
 TRL hands the hook one row per completion, each prompt repeated G times in a row (`num_generations`, TRL's
 `RepeatSampler` layout). `trl_groups` turns that layout into the groups of this process's rows (a group may continue on
 the neighbouring process), `generate_rows` calls the engine once per distinct group size (once in practice) with
-`num_generations` = that size, and puts the completions back in TRL's row order.
+`num_generations` = that size, and puts the completions back in TRL's row order. The engine runs on the trained
+weights, unwrapped as TRL unwraps them for `generate` (`generation_model`), with the `GenerationConfig` `generate`
+would use (`generation_config.py`), a seed derived from checkpointed state (`rollout_seed`), and the rows' rewards
+streamed as they finish (`reward_scoring.start_stream`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+from tqdm.auto import tqdm
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
+
 from trl_infinite.engine import RolloutEngine, RolloutStats, SamplingParams
+from trl_infinite.trainer.generation_config import effective_generation_config, engine_sampling_params
+from trl_infinite.trainer.reward_scoring import start_stream
 
 
 @dataclass
@@ -122,32 +133,19 @@ def generate_rows(
     return completions, logprobs, stats
 
 
+# the `rollout/<name>` metrics of one engine call, in logging order (`*_gb`: the stat `*_bytes` in GB)
+_METRICS = ("tokens_per_second", "decode_steps", "peak_kv_gb", "weight_copy_gb", "peak_active_sequences",
+            "prefill_tokens", "prefix_cache_hit_tokens", "generated_tokens", "preemptions", "wall_time_s",
+            "mean_active_sequences", "kv_utilization", "tail_decode_steps", "offloaded_blocks", "parks", "graph_captures")
+_SPEC_METRICS = ("mean_acceptance_length", "draft_tokens", "accepted_tokens", "verify_steps")  # speculative decoding
+
+
 def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
     """The `rollout/*` metrics of one engine call, i.e. of one turn of a tool loop (plus every numeric
     `stats.extra` counter)."""
-    out = {
-        "rollout/tokens_per_second": stats.tokens_per_second,
-        "rollout/decode_steps": float(stats.decode_steps),
-        "rollout/peak_kv_gb": stats.peak_kv_bytes / 1e9,
-        "rollout/weight_copy_gb": stats.weight_copy_bytes / 1e9,
-        "rollout/peak_active_sequences": float(stats.peak_active_sequences),
-        "rollout/prefill_tokens": float(stats.prefill_tokens),
-        "rollout/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens),
-        "rollout/generated_tokens": float(stats.generated_tokens),
-        "rollout/preemptions": float(stats.preemptions),
-        "rollout/wall_time_s": stats.wall_time_s,
-        "rollout/mean_active_sequences": stats.mean_active_sequences,
-        "rollout/kv_utilization": stats.kv_utilization,
-        "rollout/tail_decode_steps": float(stats.tail_decode_steps),
-        "rollout/offloaded_blocks": float(stats.offloaded_blocks),
-        "rollout/parks": float(stats.parks),
-        "rollout/graph_captures": float(stats.graph_captures),
-    }
-    if stats.verify_steps:  # speculative decoding ran
-        out["rollout/mean_acceptance_length"] = stats.mean_acceptance_length
-        out["rollout/draft_tokens"] = float(stats.draft_tokens)
-        out["rollout/accepted_tokens"] = float(stats.accepted_tokens)
-        out["rollout/verify_steps"] = float(stats.verify_steps)
+    names = _METRICS + (_SPEC_METRICS if stats.verify_steps else ())
+    out = {f"rollout/{n}": (getattr(stats, n[:-3] + "_bytes") / 1e9 if n.endswith("_gb") else float(getattr(stats, n)))
+           for n in names}
     for key, value in stats.extra.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"rollout/{key}"] = float(value)
@@ -158,3 +156,79 @@ def turn_metrics(stats: RolloutStats, turn: int) -> dict[str, float]:
     """Prefill work of turn `turn` (0: the first) of a multi-turn rollout, under its own keys."""
     return {f"rollout/turn_{turn}/prefill_tokens": float(stats.prefill_tokens),
             f"rollout/turn_{turn}/prefix_cache_hit_tokens": float(stats.prefix_cache_hit_tokens)}
+
+
+def engine_rollout(trainer, prompt_ids: list, num_generations: int) -> tuple[list[list[int]], list[list[float]]]:
+    """`InfiniteGRPOTrainer._generate_single_turn` on the engine: (completion ids cut after the first EOS, sampling
+    log-probs in TRL's convention), both in row order; the `rollout/*` metrics logged. Raises the engine's
+    `UnsupportedModelError` where the full support contract fails (the trainer then falls back)."""
+    groups = trl_groups(len(prompt_ids), num_generations, trainer.accelerator.process_index * len(prompt_ids))
+    turn_based = _turn_based(trainer)
+    stream = None if turn_based else start_stream(trainer, prompt_ids, groups)
+    mode = "train" if trainer.model.training else "eval"
+    args = trainer.args
+    key = trainer._rollout_seeds.next_key(trainer.state.global_step, trainer._step % args.gradient_accumulation_steps,
+                                          mode, trainer.accelerator.process_index)
+    bar = tqdm(total=len(prompt_ids), desc="rollout", unit="sample", leave=False,
+               disable=args.disable_tqdm or not trainer.accelerator.is_local_main_process)
+
+    def on_row_finished(row: int, ids: list[int]) -> None:  # on this thread, between two engine steps
+        bar.update(1)
+        if stream is not None:
+            stream.add(row, ids)
+
+    multi_turn = turn_based and getattr(trainer, "_rollout_turn", None) is not None
+    try:
+        # under the autocast of TRL's training forwards (`accelerator.autocast()`: bf16 / fp16 mixed precision,
+        # which the prepared model's `forward` also enters): the engine is built, checked and run under it
+        with (profiling_context(trainer, "rollout_engine.generate"), generation_model(trainer) as model,
+              trainer.accelerator.autocast()):
+            config = effective_generation_config(model, trainer.generation_config)
+            sampling = engine_sampling_params(config, trainer.max_completion_length, trainer.eos_token_ids,
+                                              rollout_seed(args.seed, key), logprobs_temperature=trainer.temperature)
+            engine = trainer._get_engine(model)
+            completions, logprobs, stats = generate_rows(engine, prompt_ids, sampling, groups, on_row_finished,
+                                                         keep_pool=multi_turn)
+    finally:
+        bar.close()
+    if stream is not None:
+        stream.flush()
+    for s in stats:
+        metrics = rollout_metrics(s)
+        if multi_turn:
+            metrics.update(turn_metrics(s, trainer._rollout_turn))
+        for name, value in metrics.items():
+            trainer._metrics[mode][name].append(value)
+    if trainer._rollout_turn is not None:
+        trainer._rollout_turn += 1
+    return completions, logprobs
+
+
+def _turn_based(trainer) -> bool:
+    """A rollout that may call the engine again with conversations continuing this call's (TRL's tool loop,
+    `environment_factory`, a `rollout_func`): inside one, the engine keeps its pool and caches the completions, and
+    the rewards are scored after the rollout."""
+    return (bool(trainer.tools) or trainer.rollout_func is not None
+            or getattr(trainer, "environment_factories", None) is not None)
+
+
+@contextmanager
+def generation_model(trainer):
+    """The trained model, unwrapped (ZeRO-3 / FSDP parameters gathered) exactly as TRL does for `generate`, in eval
+    mode (no dropout) for the duration of the rollout."""
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        was_training = model.training
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)

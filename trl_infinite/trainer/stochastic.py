@@ -10,7 +10,7 @@ slices of a micro batch, the packed shared-prefix forward) draws other masks: a 
 dropout itself (0.03 to 0.1 nats on OPT / GPT-2 with the default 0.1), not round-off.
 
 So with a random training forward the trainer runs TRL's own micro batches, padded forward and one backward per
-micro batch (`InfiniteGRPOTrainer._prepare_inputs`, `_loss_slices`, `_install_shared_prefix`), and warns once; the
+micro batch (`InfiniteGRPOTrainer._prepare_inputs`, `loss_slices.loss_slices`, `_install_shared_prefix`), and warns once; the
 rollout engine is unaffected (it samples in eval mode, like `generate`). `random_training_forward` decides it:
 - a module scan: a `torch.nn.Dropout`-family module with `p > 0`, or a float attribute named like a dropout / noise
   probability (`*dropout*`, `*pdrop*`, `*jitter*`, `layerdrop`) above 0 (functional dropout, router jitter);

@@ -93,7 +93,7 @@ class SchedulingConfig(Section):
     max_active_sequences: int | None = setting(
         32, "g: decode slots (micro-group size) of `micro_group` and `fixed_slot`. `full_group` runs every sample at "
         "once and `dynamic_slot` as many as memory allows, so both ignore it.",
-        ("engine/sched/slot_modes.py", f"{_POLICIES}admission.py", "sim/replay.py", "sim/__main__.py", "trainer/trainer.py"))
+        ("engine/sched/slot_modes.py", f"{_POLICIES}admission.py", "sim/replay.py", "sim/__main__.py", "trainer/reward_scoring.py"))
     scheduler: str = setting(
         "lfs", "Order in which pending samples take free slots. Default 'lfs' with the 'history' predictor: prompts "
         "that produced longer completions on earlier visits start first (FIFO order for prompts never seen); chosen "

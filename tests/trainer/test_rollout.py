@@ -1,5 +1,5 @@
-"""TRL's group layout reaches the engine as it is (each prompt `num_generations` times in a row, a process's slice
-possibly starting or ending inside a group): nothing re-infers the groups from the prompt rows."""
+"""`trainer/rollout.py`: TRL's group layout reaches the engine as it is (each prompt `num_generations` times in a row, a
+process's slice possibly starting or ending inside a group): nothing re-infers the groups from the prompt rows."""
 
 import pytest
 

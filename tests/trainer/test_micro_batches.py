@@ -1,16 +1,15 @@
-"""The gradient accumulated over one generation batch equals vanilla `GRPOTrainer`'s for the same completions,
-although the micro batches are length-sorted and each padded only to its own longest sequence."""
+"""`trainer/micro_batches.py`: the gradient accumulated over one generation batch equals vanilla `GRPOTrainer`'s for the
+same completions, although the micro batches are length-sorted and each padded only to its own longest sequence."""
 
 import pytest
 import torch
 from _models import tiny_model
-from trainer_helpers import cpu_args, token_sum_reward
-from transformers import TrainerCallback
+from trainer_helpers import GradCapture, cpu_args, token_sum_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOTrainer
-from trl_infinite.trainer.backprop import make_micro_batches, trim_padding
+from trl_infinite.trainer.micro_batches import make_micro_batches, trim_padding
 
 
 def fixed_completions(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -20,17 +19,6 @@ def fixed_completions(prompt_ids, images, multimodal_fields, num_generations, ha
         n = 1 + (7 * i + sum(p)) % 9
         out.append([4 + (sum(p) + 3 * i + j) % 90 for j in range(n)])
     return out, None
-
-
-class GradCapture(TrainerCallback):
-    """Copies the accumulated gradients right before the (first) optimizer step."""
-
-    def __init__(self):
-        self.grads = None
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def accumulated_grads(cls, config_cls, tmp_path, tokenizer, dataset, generate=fixed_completions, model=None,
@@ -168,7 +156,7 @@ def test_micro_batches_draw_trls_permutation_and_tag_its_split(by_group):
     and each row carries its micro batch in TRL's split (`TRL_SET_KEY`), over which the metrics are composed."""
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    from trl_infinite.trainer.backprop import TRL_SET_KEY
+    from trl_infinite.trainer.micro_batches import TRL_SET_KEY
 
     B, P, C = 8, 3, 6
     lengths = [5, 1, 3, 6, 2, 4, 6, 1]

@@ -6,18 +6,28 @@ value): a row waits until every row of its prompt group has finished, and once a
 complete groups wait they are scored right there (so `signal.alarm` timeouts and TRL's `accuracy_reward` work as
 they do in `GRPOTrainer`), or, with `rollout_reward_executor="thread"`, on one background thread. With
 `rollout_reward_chunks="batch"` (`REWARD_CHUNKS`) the chunk is the whole batch: one call, once every row finished.
-Rows of a group that never finished are never scored here (TRL's call then scores the whole batch). TRL's own
-`_calculate_rewards` then runs once on the whole batch and reads these cached values through `CachedRewardFunc`
-(see `cached_rewards.py`): its warnings, its cross-process gather and its group normalisation are unchanged.
+Rows of a group that never finished are never scored here (TRL's call then scores the whole batch). How a chunk is
+scored: `reward_scoring.py`.
+
+TRL's own `_calculate_rewards` then runs once on the whole batch and reads these values: `InfiniteGRPOTrainer` wraps
+each reward *function* in a `CachedRewardFunc` (reward models, and functions with the attribute
+`reward_chunks = "batch"`, stay TRL's: they run once, on the whole batch, after the rollout). When every row was
+already scored on exactly these completion ids, it returns those values and replays their `log_extra` columns in row
+order; otherwise (no stream: tool calls, `rollout_func`, TRL's generation path, a direct call) it calls the function
+itself. TRL keeps everything else: the None -> NaN rule, the length check, the all-None warning (its text, its
+logger), the cross-process gather, the group normalisation.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from trl.trainer.utils import is_async_callable
 
 REWARD_EXECUTORS = ("main_thread", "thread")
 REWARD_CHUNKS = ("groups", "batch")  # what a streamed reward call holds: whole prompt groups, or the whole batch
@@ -115,17 +125,84 @@ class StreamingRewards:
         return [values[i] for i in range(self.num_rows)], extra
 
 
+@dataclass
 class StreamSlot:
-    """The stream of the batch being generated (at most one at a time), shared with the cached reward functions."""
+    """The batch being generated, shared by the trainer and the cached reward functions: TRL's inputs and prompts
+    (while `_generate_and_score_completions` runs), its stream once an engine call opened one (at most one at a
+    time), and the executor of `rollout_reward_executor` (None: the calling thread)."""
 
-    def __init__(self):
-        self._stream: StreamingRewards | None = None
-
-    def open(self, stream: StreamingRewards) -> None:
-        self._stream = stream
+    executor: ThreadPoolExecutor | None = None
+    inputs: list[dict] | None = None
+    prompts: list | None = None
+    stream: StreamingRewards | None = None
 
     def close(self) -> None:
-        self._stream = None
+        self.inputs = self.prompts = self.stream = None
 
-    def get(self) -> StreamingRewards | None:
-        return self._stream
+
+class CachedRewardFunc:
+    """A synchronous reward function reading the current stream's cache first."""
+
+    def __init__(self, func: Callable, index: int, slot: StreamSlot):
+        functools.update_wrapper(self, func)  # __name__, __doc__, __wrapped__: looks like the user's function
+        self.func, self.index, self.slot = func, index, slot
+
+    def _cached(self, kwargs: dict) -> list | None:
+        stream = self.slot.stream
+        ids = kwargs.get("completion_ids")
+        if stream is None or ids is None:
+            return None
+        stream.wait()
+        hit = stream.cached(self.index, ids)
+        if hit is None:
+            return None
+        values, extra = hit
+        log_extra = kwargs.get("log_extra")
+        if log_extra is not None:
+            for column, column_values in extra.items():
+                log_extra(column, column_values)
+        return values
+
+    def __call__(self, *args, **kwargs):
+        values = self._cached(kwargs)
+        return values if values is not None else self.func(*args, **kwargs)
+
+
+class AsyncCachedRewardFunc(CachedRewardFunc):
+    """The same for an `async` reward function (TRL awaits it with the others on its event loop)."""
+
+    async def __call__(self, *args, **kwargs):
+        values = self._cached(kwargs)
+        return values if values is not None else await self.func(*args, **kwargs)
+
+
+def wants_whole_batch(func) -> bool:
+    """A reward function's own `reward_chunks` attribute: "batch" (called by TRL on the whole batch after the
+    rollout, never streamed) or "groups" / absent (streamed in chunks of whole groups); ValueError otherwise."""
+    value = getattr(func, "reward_chunks", None)
+    if value is not None and value not in REWARD_CHUNKS:
+        raise ValueError(f"The reward function {getattr(func, '__name__', func)!r} has `reward_chunks={value!r}`; it "
+                         f"must be one of {list(REWARD_CHUNKS)}.")
+    return value == "batch"
+
+
+def wrap_reward_funcs(reward_funcs: list, slot: StreamSlot) -> list:
+    """Every reward function wrapped (modules, i.e. reward models, and functions that want the whole batch left as
+    they are)."""
+    from torch import nn
+
+    out = []
+    for i, func in enumerate(reward_funcs):
+        if isinstance(func, nn.Module) or isinstance(func, CachedRewardFunc) or wants_whole_batch(func):
+            out.append(func)
+        else:
+            out.append((AsyncCachedRewardFunc if is_async_callable(func) else CachedRewardFunc)(func, i, slot))
+    return out
+
+
+def streamed_funcs(reward_funcs: list) -> list[tuple[int, Callable, bool]]:
+    """(index, user function, is async) of every wrapped reward function: those scored while the rollout runs."""
+    return [
+        (i, f.func, isinstance(f, AsyncCachedRewardFunc)) for i, f in enumerate(reward_funcs)
+        if isinstance(f, CachedRewardFunc)
+    ]

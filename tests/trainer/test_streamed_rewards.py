@@ -1,5 +1,6 @@
-"""Streamed rewards: scored in chunks between decode steps on the training thread (so `signal.alarm` works), read
-by TRL's own `_calculate_rewards` (its all-None warning, its logger, `log_extra` in row order)."""
+"""Streamed rewards (`trainer/streamed_rewards.py`, `trainer/reward_scoring.py`): scored in chunks between decode steps
+on the training thread (so `signal.alarm` works), read by TRL's own `_calculate_rewards` (its all-None warning, its
+logger, `log_extra` in row order)."""
 
 import asyncio
 import inspect
@@ -13,7 +14,7 @@ from test_trainer_train import make_trainer
 from trainer_helpers import cpu_args, token_sum_reward
 
 from trl_infinite.trainer import InfiniteGRPOConfig
-from trl_infinite.trainer.streaming import ChunkScores, StreamingRewards
+from trl_infinite.trainer.streamed_rewards import ChunkScores, StreamingRewards
 
 ENGINE_FILE = str(Path(__file__).resolve().parents[2] / "trl_infinite" / "engine" / "engine.py")
 

@@ -1,5 +1,5 @@
-"""`generation_kwargs`: keys the engine runs go through transformers' processors; keys it cannot run (beam search)
-make the trainer generate with TRL's own path, with one warning naming them."""
+"""`trainer/generation_config.py`: `generation_kwargs` keys the engine runs go through transformers' processors; keys it
+cannot run (beam search) make the trainer generate with TRL's own path, with one warning naming them."""
 
 import warnings
 
@@ -59,7 +59,7 @@ def test_beam_search_falls_back_to_trl_generation_with_one_warning(tmp_path, tok
 
 def test_generation_config_reaches_the_engine(tmp_path, tokenizer, dataset):
     """TRL's settings, `generation_kwargs` and the model's own generation config, merged as `generate` merges them."""
-    from trl_infinite.trainer.generation import effective_generation_config, engine_sampling_params
+    from trl_infinite.trainer.generation_config import effective_generation_config, engine_sampling_params
 
     trainer = build(tmp_path, tokenizer, dataset, temperature=0.7, top_k=5, repetition_penalty=1.2,
                     generation_kwargs={"typical_p": 0.9, "suppress_tokens": [3], "max_new_tokens": 5})
@@ -76,7 +76,7 @@ def test_sharded_forwards_fall_back_to_trl_generation():
     """FSDP (and ZeRO-3 without gathering) all-gather inside every forward: ranks would need equal step counts."""
     from types import SimpleNamespace
 
-    from trl_infinite.trainer.generation import engine_fallback_reasons
+    from trl_infinite.trainer.generation_config import engine_fallback_reasons
 
     model = tiny_model("qwen3")
     plain = SimpleNamespace(is_fsdp=False, is_zero3=False)

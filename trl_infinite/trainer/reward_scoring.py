@@ -1,17 +1,22 @@
 """Scores some rows of a batch with the trainer's reward functions, called exactly as TRL's `_calculate_rewards`
 calls them (same keyword arguments, dataset columns, `trainer_state`, `log_extra`, `log_metric`, `environments`;
-async functions gathered on TRL's event loop), only on fewer rows."""
+async functions gathered on TRL's event loop), only on fewer rows; and the start of a rollout's stream
+(`start_stream`: where the batch can be scored while it decodes, `streamed_rewards.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from trl.chat_template_utils import parse_response
+from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
 
-from trl_infinite.trainer.cached_rewards import streamed_funcs
-from trl_infinite.trainer.rollout import PromptRun
-from trl_infinite.trainer.streaming import ChunkScores
+from trl_infinite.trainer.streamed_rewards import ChunkScores, StreamingRewards, streamed_funcs
+
+if TYPE_CHECKING:
+    from trl_infinite.trainer.rollout import PromptRun
 
 _RESERVED = ("prompt", "completion", "completion_ids")
 
@@ -39,10 +44,10 @@ class ChunkScorer:
             if is_async:
                 pending.append((f, func, kwargs, extra))
                 continue
-            out.values[f] = self._checked(f, rows, self._guarded(f, func, rows, completions, completion_ids, kwargs))
+            out.values[f] = self._checked(f, rows, self._guarded(f, func, rows, kwargs))
             out.extra[f] = extra
         if pending:  # like TRL: every async function of the chunk runs concurrently on the trainer's event loop
-            results = self._run_async(pending, rows, completions, completion_ids)
+            results = self._run_async(pending, rows)
             for (f, _, _, extra), values in zip(pending, results):
                 out.values[f] = self._checked(f, rows, values)
                 out.extra[f] = extra
@@ -67,7 +72,7 @@ class ChunkScorer:
             kwargs["environments"] = [t.environments[r] for r in rows]
         return kwargs
 
-    def _guarded(self, f: int, func, rows, completions, completion_ids, kwargs) -> list:
+    def _guarded(self, f: int, func, rows: list[int], kwargs: dict) -> list:
         try:
             with profiling_context(self.trainer, self.names[f]):
                 return func(**kwargs)
@@ -75,7 +80,7 @@ class ChunkScorer:
             self._annotate(f, rows, err)
             raise
 
-    def _run_async(self, pending: list, rows, completions, completion_ids) -> list[list]:
+    def _run_async(self, pending: list, rows: list[int]) -> list[list]:
         async def one(f, func, kwargs):
             with profiling_context(self.trainer, self.names[f]):
                 return await func(**kwargs)
@@ -115,3 +120,37 @@ class ChunkScorer:
 def _short(prompt) -> str:
     text = repr(prompt)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def start_stream(trainer, prompt_ids: list, groups: list[PromptRun]) -> StreamingRewards | None:
+    """The stream scoring this engine call's rows as they finish, opened in the trainer's `StreamSlot`; None where
+    the batch is scored after generation (a tool-loop re-entry, no streamed function; the caller leaves out
+    rollouts of several turns)."""
+    slot = trainer._stream_slot
+    if (slot.inputs is None or slot.prompts is None or len(prompt_ids) != len(slot.prompts)
+            or slot.stream is not None  # the first turn only; tool-loop re-entries are scored at the end
+            or not streamed_funcs(trainer.reward_funcs)):
+        return None
+    prompts = slot.prompts
+
+    def decode(row: int, ids: list[int]):
+        return decode_completion(trainer, prompts[row], prompt_ids[row], ids)
+
+    scorer = ChunkScorer(trainer, slot.inputs, prompts, decode, groups)
+    chunk = trainer.engine_config.scheduling.max_active_sequences or trainer.num_generations
+    if getattr(trainer.args, "rollout_reward_chunks", "groups") == "batch":
+        chunk = len(prompt_ids)
+    stream = StreamingRewards(len(prompt_ids), scorer.score, chunk, slot.executor,
+                              group_sizes=[g.length for g in groups])
+    slot.stream = stream
+    return stream
+
+
+def decode_completion(trainer, prompt, prompt_ids: list[int], ids: list[int]):
+    """One completion as TRL's `_generate` decodes it (text, or an assistant message for chat prompts)."""
+    if not is_conversational({"prompt": prompt}):
+        return trainer.processing_class.decode(ids, skip_special_tokens=True)
+    tok = trainer._tokenizer
+    if getattr(tok, "response_template", None) is not None or getattr(tok, "response_schema", None) is not None:
+        return [parse_response(tok, ids, prefix=prompt_ids, tools=trainer.tools)]
+    return [{"role": "assistant", "content": trainer.processing_class.decode(ids, skip_special_tokens=True)}]

@@ -17,12 +17,18 @@ those (`trl_split=True`) the split is TRL's own (`shuffle_sequence_dict` then `s
 rows; only the padding is trimmed, which does not change them. Every split draws exactly TRL's `torch.randperm` and
 nothing else (the group and micro-batch orders of the other splits derive from it), so the global generator leaves
 the split as it leaves TRL's. TRL's metrics are per micro batch: `tag_trl_sets=True` marks each row with its micro
-batch in TRL's split (`TRL_SET_KEY`), over which the trainer composes them (`trl_sets.py`).
+batch in TRL's split (`TRL_SET_KEY`), over which the trainer composes them (`loss_metrics.py`).
+`buffer_micro_batches` is the trainer's `_prepare_inputs` work: which split, and the metrics that go with it.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+
+from trl_infinite.trainer.loss_metrics import TrlSetMetrics, split_metrics_warning
 
 SPLIT_INVARIANT_LOSSES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 TRL_SET_KEY = "trl_micro_batch"  # [B] int64: the row's micro batch in TRL's split (`make_micro_batches`)
@@ -55,23 +61,18 @@ def length_order(batch: dict) -> torch.Tensor:
     return torch.argsort(lengths, descending=True, stable=True)
 
 
-def permute_rows(batch: dict, perm: torch.Tensor) -> dict:
-    """Applies a row permutation to every per-row entry (tensors with a batch dim and lists); scalars pass."""
+def take_rows(batch: dict, rows: slice | torch.Tensor) -> dict:
+    """The rows `rows` (a slice, or row indices in their order) of every per-row entry (tensors with a batch dim and
+    lists); scalars shared."""
     out = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 1:
-            out[key] = value[perm.to(value.device)]
+            out[key] = value[rows if isinstance(rows, slice) else rows.to(value.device)]
         elif isinstance(value, list):
-            out[key] = [value[i] for i in perm.tolist()]
+            out[key] = value[rows] if isinstance(rows, slice) else [value[i] for i in rows.tolist()]
         else:
             out[key] = value
     return out
-
-
-def take_rows(batch: dict, rows: slice) -> dict:
-    """The rows `rows` of every per-row entry (tensors with a batch dim and lists); scalars shared."""
-    return {k: (v[rows] if (isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim >= 1)) else v)
-            for k, v in batch.items()}
 
 
 def split_rows(batch: dict, num_chunks: int) -> list[dict]:
@@ -134,7 +135,30 @@ def make_micro_batches(batch: dict, num_chunks: int, loss_type: str, multiple: i
         order = group_order(batch, position) if by_group else length_order(batch)
         if tag_trl_sets and num_chunks > 1:
             batch = {**batch, TRL_SET_KEY: position // (rows // num_chunks)}
-    chunks = split_rows(permute_rows(batch, order), num_chunks)
+    chunks = split_rows(take_rows(batch, order), num_chunks)
     if sort:  # a random order of the micro batches, from the same draw
         chunks = [chunks[i] for i in torch.argsort(trl_perm[:num_chunks]).tolist()]
     return [trim_padding(c, multiple) if trim else c for c in chunks]
+
+
+def buffer_micro_batches(trainer, batch: dict) -> list[dict]:
+    """The trainer's `steps_per_generation` micro batches of one generation batch (TRL's
+    `_generate_and_score_completions` output): whole groups with the shared-prefix forward, else similar lengths;
+    TRL's split where a loss term depends on it, where an optimizer step holds only part of a pass over the
+    generation batch (its rows are then TRL's step's rows), or with entries not aligned with the rows."""
+    batch = split_pixel_values_by_grid(batch)
+    spg, rows = trainer.args.steps_per_generation, batch["completion_mask"].shape[0]
+    flat = unsplit_pixel_values_by_grid(batch)
+    row_aligned = all(not (isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] != rows) for v in flat.values())
+    trl_split = trainer.split_dependent_loss or trainer.args.gradient_accumulation_steps % spg != 0 or not row_aligned
+    chunks = make_micro_batches(batch, spg, trainer.loss_type, trainer.pad_to_multiple_of,
+                                by_group=trainer.shared_prefix is not None, trl_split=trl_split,
+                                trim=trainer.length_dependent_rope is None,
+                                tag_trl_sets=spg > 1 and trainer.accelerator.num_processes == 1)
+    if any(TRL_SET_KEY in c for c in chunks):
+        trainer._trl_sets = TrlSetMetrics(spg, rows, trainer.importance_sampling_level == "token")
+    elif (spg > 1 and not trl_split and trainer.loss_type in SPLIT_INVARIANT_LOSSES
+          and not getattr(trainer, "_split_metrics_warned", False)):
+        trainer._split_metrics_warned = True
+        warnings.warn(split_metrics_warning(trainer.accelerator.num_processes), UserWarning, stacklevel=3)
+    return [unsplit_pixel_values_by_grid(c) for c in chunks]

@@ -1,4 +1,4 @@
-"""The declared TRL range and the import-time check of the `GRPOTrainer` hooks we override."""
+"""`trainer/compat.py`: the declared TRL range and the import-time check of the `GRPOTrainer` hooks we override."""
 
 import re
 from pathlib import Path
