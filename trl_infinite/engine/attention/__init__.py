@@ -29,7 +29,6 @@ import torch
 from transformers import AttentionInterface
 
 from trl_infinite.engine.attention.backends import (
-    ATTENTION_BACKEND_FNS,
     AttentionBackend,
     register_attention_backend,
     resolve_backend,
@@ -173,26 +172,8 @@ def paged_attention(model: torch.nn.Module, configs: list | None = None, tuned: 
 
 
 __all__ = [
-    "ATTENTION_BACKEND_FNS",
-    "AttentionBackend",
-    "LayerAttention",
-    "LayerSpec",
-    "MaskKey",
-    "PAGED_ATTENTION_NAME",
-    "PagedAttentionMetadata",
-    "PagedContext",
-    "allowed",
-    "attention_configs",
-    "attention_implementation",
-    "Segment",
-    "build_metadata",
-    "decode_metadata",
-    "paged_attention",
-    "register_attention_backend",
-    "resolve_backend",
-    "positional_temperature",
-    "temperature_scaled",
-    "temperature_tuned",
-    "torch_paged_attention",
-    "with_context",
+    "AttentionBackend", "LayerAttention", "LayerSpec", "MaskKey", "PAGED_ATTENTION_NAME", "PagedAttentionMetadata",
+    "PagedContext", "Segment", "allowed", "attention_configs", "attention_implementation", "build_metadata",
+    "decode_metadata", "paged_attention", "positional_temperature", "register_attention_backend", "resolve_backend",
+    "temperature_scaled", "temperature_tuned", "torch_paged_attention", "with_context",
 ]

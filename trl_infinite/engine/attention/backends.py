@@ -23,9 +23,6 @@ class AttentionBackend:
     gathers_columns: bool = True
 
 
-ATTENTION_BACKEND_FNS = ATTENTION_BACKENDS  # the registry (`engine.registry`), under its historical name
-
-
 def register_attention_backend(name: str, attend: Callable, prepare: Callable = with_context,
                                gathers_columns: bool = True, replace: bool = False) -> None:
     """Make `attend` (with its once-per-forward `prepare`) selectable as `EngineConfig.attention_backend=name`."""

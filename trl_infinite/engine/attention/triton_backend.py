@@ -40,6 +40,7 @@ from trl_infinite.engine.attention.metadata import PagedAttentionMetadata, with_
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
 from trl_infinite.engine.attention.triton_kernels import _merge_kernel, _prefix_kernel, _suffix_kernel
 from trl_infinite.engine.attention.triton_op import AUTOCAST_DTYPES, autocast_code, cascade_decode, set_body
+from trl_infinite.engine.attention.triton_tiles import prefix_splits, suffix_splits  # (tests patch them here)
 
 # on CUDA, time the tile candidates on each configuration's first call (off: the first candidate, as
 # TRL_INFINITE_TRITON_AUTOTUNE=0 sets it: benchmarks/gpu_suite.sh checks the kernels without the tuning time)
@@ -108,15 +109,6 @@ def device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def suffix_splits(num_seg: int, num_kv_heads: int, sms: int, head_tiles: int = 1) -> int:
-    return tiles.suffix_splits(num_seg, num_kv_heads, sms, head_tiles)
-
-
-def prefix_splits(num_seg: int, num_kv_heads: int, num_heads: int, head_dim_v: int, prompt_capacity: int,
-                  sms: int, num_groups: int | None = None) -> int:
-    return tiles.prefix_splits(num_seg, num_kv_heads, num_heads, head_dim_v, prompt_capacity, sms, num_groups)
 
 
 @functools.cache

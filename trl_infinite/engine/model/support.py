@@ -46,11 +46,8 @@ from trl_infinite.engine.model.exactness import DECODE_TOKENS, exactness_problem
 from trl_infinite.engine.model.probe import probe_tokens, record_attention_calls
 from trl_infinite.engine.model.replica import Float32ReferenceError, float32_reference
 from trl_infinite.engine.model.rope_length import length_dependent_rope
-from trl_infinite.engine.model.routing import (  # noqa: F401  (re-exported: the contract's types and verdict, used as `support.X`)
+from trl_infinite.engine.model.routing import (  # (also imported from here: the contract's types and verdict)
     ATTENTION_LAYER_TYPES,
-    HANDLED_KWARGS,
-    KWARG_FEATURES,
-    NEUTRAL_KWARGS,
     STATELESS_LAYER_TYPES,
     ModelSupport,
     UnsupportedModelError,

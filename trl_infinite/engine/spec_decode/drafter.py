@@ -68,9 +68,6 @@ class Drafter:
         self.active[seq.seq_id] = seq
         self._start(seq)
 
-    def started(self, seq: Sequence) -> bool:
-        return seq.seq_id in self.active
-
     def _start(self, seq: Sequence) -> None:
         raise NotImplementedError
 

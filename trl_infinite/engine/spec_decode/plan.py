@@ -146,14 +146,7 @@ def reconfigure(times: StepTimes, base: Plan, acceptance: dict, w_max: int, batc
     if not acceptance:
         return {}
     mean = sum(acceptance.values()) / len(acceptance)
-    out = {}
-    for key, p in acceptance.items():
-        if p >= mean:
-            out[key] = base
-            continue
-        dec, cpl = best_decoupled(times, p, batch, w_max), best_coupled(times, p, batch, w_max)
-        out[key] = dec if dec.tgs > cpl.tgs else cpl
-    return out
+    return {key: base if p >= mean else plan(times, p, batch, w_max) for key, p in acceptance.items()}
 
 
 @dataclass(frozen=True)
