@@ -4,10 +4,10 @@ On CPU a decode step is host-bound at small widths, and the torch backend's deco
 two CPU flash-attention calls (each group's prompt, then the rows' own tokens) plus the gathers, masks and
 log-sum-exp merge around them (`torch_backend._cascade_decode`); each flash call pays a fixed cost per (row, head).
 This kernel does the whole decode attention of a layer in one call: for row `n` at position `pos` (its input token,
-already written to the pool) the visible keys are positions `lo .. pos`, `lo = layer.first_visible(pos)` (sliding
-window, chunk); position `p` lives in prefix block `prefix_table[n, p / B]` when `p < prompt_lens[n]`, else in own
-block `suffix_table[n, (p - prompt_lens[n]) / B]`. Per (row, KV head), with the `g = H / Hkv` query heads of that KV
-head:
+already written to the pool) the visible keys are positions `lo .. pos`, `lo` the lowest `layer.allowed` admits
+(sliding window, chunk); position `p` lives in prefix block `prefix_table[n, p / B]` when `p < prompt_lens[n]`,
+else in own block `suffix_table[n, (p - prompt_lens[n]) / B]`. Per (row, KV head), with the `g = H / Hkv` query
+heads of that KV head:
 
     s[j, p] = scale * <q[j], k[p]>;   m[j] = max_p s[j, p];   out[j] = sum_p exp(s[j, p] - m[j]) v[p] / sum_p exp(...)
 

@@ -53,13 +53,3 @@ def allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
     if chunk_size:
         ok = ok & (torch.div(k_pos, chunk_size, rounding_mode="floor") == torch.div(q_pos, chunk_size, rounding_mode="floor"))
     return ok
-
-
-def first_visible(q_pos: torch.Tensor, sliding_window: int | None, chunk_size: int | None) -> torch.Tensor:
-    """Lowest key position a query at `q_pos` sees (the mask above is the interval [first_visible, q_pos])."""
-    lo = torch.zeros_like(q_pos)
-    if sliding_window:
-        lo = torch.maximum(lo, q_pos - sliding_window + 1)
-    if chunk_size:
-        lo = torch.maximum(lo, torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size)
-    return lo

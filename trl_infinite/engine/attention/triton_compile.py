@@ -63,12 +63,6 @@ class Resources:
         return out
 
 
-def _bin(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def _ptxas(arch: int) -> str:
     """The ptxas Triton itself uses for `arch` (its knob; the wheel's bin/ptxas on Triton versions without it)."""
     try:
@@ -76,7 +70,9 @@ def _ptxas(arch: int) -> str:
 
         return get_ptxas(arch).path
     except (ImportError, TypeError, AttributeError):
-        return _bin("ptxas")
+        import triton
+
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict[str, int]:
@@ -103,9 +99,8 @@ ALIGNED_STRIDES = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_v
 
 
 def _aligned(fn, constexprs: dict) -> dict:
-    names = [n for n in inspect.signature(fn.fn).parameters if n not in constexprs]
     return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(inspect.signature(fn.fn).parameters)
-            if n in names and (n.endswith("_ptr") or n in ALIGNED_STRIDES)}
+            if n not in constexprs and (n.endswith("_ptr") or n in ALIGNED_STRIDES)}
 
 
 def _signature(fn, constexprs: dict, dtype: str) -> dict[str, str]:

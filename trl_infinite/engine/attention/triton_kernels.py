@@ -29,7 +29,7 @@ rounding the model's own matmuls have), 3 fp32 'ieee' (Triton's CPU interpreter 
 autotuner's key, so a configuration timed at one row is not reused at 256.
 
 Layer features (`LayerAttention`): keys and values may have different widths (HEAD_DIM_K, HEAD_DIM_V: MLA); a
-sliding window / chunk gives each query a lowest visible position `lo` (`layer.first_visible`), so keys below it are
+sliding window / chunk gives each query a lowest visible position `lo` (`layer.allowed`), so keys below it are
 masked and whole tiles below it skipped; attention sinks seed split 0 of the prefix with one extra logit per head and
 no value (m = sink * log2(e), l = 1, acc = 0), which the log-sum-exp merges then carry through.
 """
@@ -53,7 +53,7 @@ def _tanh(x):
 
 @triton.jit
 def _lowest_visible(q_pos, window, chunk, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
-    """Lowest key position a query at `q_pos` sees (`layer.first_visible`)."""
+    """Lowest key position a query at `q_pos` sees (the interval [lo, q_pos] of `layer.allowed`)."""
     lo = q_pos * 0
     if HAS_WINDOW:
         lo = tl.maximum(lo, q_pos - window + 1)
