@@ -183,12 +183,7 @@ def _cascade_plan(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) 
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
+    return torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True)
 
 
 def _check_capacity(segments: list[Segment], q_seg: torch.Tensor, q_pos: torch.Tensor, prompt_lens: torch.Tensor,

@@ -31,10 +31,7 @@ class _ModelLock:
 
 def _lock_of(model: torch.nn.Module) -> _ModelLock:
     with _registry_lock:
-        found = _locks.get(model)
-        if found is None:
-            found = _locks[model] = _ModelLock()
-        return found
+        return _locks.setdefault(model, _ModelLock())
 
 
 @contextmanager

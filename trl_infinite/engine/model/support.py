@@ -202,7 +202,6 @@ def probe_length(model: torch.nn.Module) -> int:
     return max([PROBE_TOKENS, *sizes])
 
 
-# ---------------------------------------------------------------------------------------------------- 1. structure
 def check_structure(model: torch.nn.Module) -> None:
     peft_config = getattr(model, "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):

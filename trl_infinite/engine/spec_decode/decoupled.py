@@ -88,7 +88,6 @@ class DecoupledStep(SpeculativeStep):
         self.counters = {"ahead_tokens": 0, "ahead_used": 0, "ahead_wasted": 0, "decoupled_rows": 0,
                          "coupled_rows": 0, "plans": 0}
 
-    # -- the plan
     def _make_plan(self, seqs: list[Sequence], draining: bool) -> None:
         """Alg. 1 (then Alg. 2) at the current batch, or the drain plan when nothing is left to admit (first plan of
         the call, a periodic re-plan, or the step the call starts draining)."""
@@ -124,7 +123,6 @@ class DecoupledStep(SpeculativeStep):
         """No draft slots while idle (a re-plan that resumes speculation drafts from the step after it)."""
         return 0 if self._idle() else self.w_max
 
-    # -- drafting
     def _draft(self, batch) -> list[Proposal]:
         seqs, lookahead = batch.decode, batch.lookahead
         self.steps += 1
@@ -142,7 +140,7 @@ class DecoupledStep(SpeculativeStep):
         out = [EMPTY] * len(seqs)
         ks = [0] * len(seqs)
         for i, s in enumerate(seqs):
-            row_plan = self.per_row.get(s.seq_id, self.plan)
+            row_plan = rows[i]
             w = min(row_plan.window, caps[i])
             chain = self.chains.pop(s.seq_id, None)
             if row_plan.mode == COUPLED:
@@ -226,7 +224,6 @@ class DecoupledStep(SpeculativeStep):
                 self.chains[s.seq_id] = _Chain(s.num_generated + len(drafts) + 1, drafts + p.tokens[:1],
                                                p.tokens[1:])
 
-    # -- bookkeeping
     def after_step(self, batch) -> None:
         super().after_step(batch)
         for s in batch.decode:

@@ -49,7 +49,6 @@ class SpeculativeStep(DecodeStep):
         """KV slots to reserve per sample for drafts next step."""
         return self.spec.max_tokens
 
-    # ------------------------------------------------------------------ one step
     def launch(self, batch: ScheduledBatch) -> Pending:
         """Draft, verify in one forward: each row's accepted drafts + correction/bonus token (see `StepOutput`).
         Without any draft to verify, the plain static step (where the call has one)."""
@@ -137,7 +136,6 @@ class SpeculativeStep(DecodeStep):
         for s in seqs:
             self._sync(s)
 
-    # -- drafting
     def _draft(self, batch: ScheduledBatch) -> list[Proposal]:
         """Each decode row's drafts for this step (the coupled controller's lengths, `adaptive.plan_lengths`)."""
         seqs = batch.decode
@@ -156,7 +154,6 @@ class SpeculativeStep(DecodeStep):
         self.spec.draft_times.observe(sum(1 for k in ks if k), max(ks), sum(ks), time.perf_counter() - t0)
         return [Proposal(p.tokens[:k]) for p, k in zip(proposals, ks)]
 
-    # -- verification
     def _verify(self, seqs, proposals, start, logits) -> tuple[Verified, torch.Tensor | None]:
         """Identity verification (`verify.py`) of the drafts against the logits of the verification forward
         ([T, V], T = sum of (drafts + 1) per row); also the raw log-probs [N, K+1] of the emitted tokens when the
@@ -198,7 +195,6 @@ class SpeculativeStep(DecodeStep):
         i = torch.tensor([s.sample_idx for s in seqs], device=dev)[:, None].expand(n, k + 1)
         return row_keys(self.ctx.seed, g.reshape(-1), i.reshape(-1), pos.reshape(-1), stream).view(n, k + 1)
 
-    # -- bookkeeping
     def _observe(self, seqs, drafts, n_acc, seconds: float) -> None:
         stats = self.ctx.stats
         num_drafts = sum(len(d) for d in drafts)

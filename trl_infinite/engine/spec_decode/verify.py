@@ -74,12 +74,5 @@ def verify(p: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor, sample_key
     return Verified(tokens, logprobs, n_acc)
 
 
-def verify_greedy(p: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor) -> Verified:
-    """Exact-match verification against argmax decoding (`verify` without keys)."""
-    return verify(p, drafts, lens)
-
-
-def verify_sampling(p: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor, sample_keys: torch.Tensor,
-                    ) -> Verified:
-    """Verification against plain sampling with the same per-position uniforms (`verify` with `sample_keys`)."""
-    return verify(p, drafts, lens, sample_keys)
+# the exported names of the two cases: against argmax decoding (no keys) and against plain sampling (`sample_keys`)
+verify_greedy = verify_sampling = verify
