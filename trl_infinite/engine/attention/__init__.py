@@ -97,13 +97,8 @@ def paged_attention_forward(
         src, dst = meta.copy_slots
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
-    layer = LayerAttention(
-        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        sliding_window=spec.sliding_window,
-        softcap=softcap,
-        chunk_size=spec.chunk_size,
-        sinks=s_aux,
-    )
+    layer = LayerAttention(scale=scaling if scaling is not None else query.shape[-1] ** -0.5, softcap=softcap,
+                           sliding_window=spec.sliding_window, chunk_size=spec.chunk_size, sinks=s_aux)
     out = paged_ctx.attend(query[0].transpose(0, 1), k_cache, v_cache, meta, layer)  # [T, H, Dv]
     return out.unsqueeze(0), None
 

@@ -221,16 +221,9 @@ def build_metadata(segments: list[Segment], block_size: int, device: torch.devic
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     copies = torch.tensor([c for s in segments for c in s.copies], dtype=torch.long).reshape(-1, 2)  # [C, 2]
     meta = PagedAttentionMetadata(
-        block_size=block_size,
-        slot_mapping=to(slot_mapping),
-        q_seg=to(q_seg),
-        q_pos=to(q_pos),
-        q_start=to(q_start),
-        prompt_lens=to(prompt_lens),
-        prefix_table=to(prefix_table),
-        suffix_table=to(suffix_table),
-        seg_group=to(torch.tensor([s.group_index for s in segments], dtype=torch.long)),
-        max_q_len=int(q_lens.max()),
+        block_size=block_size, slot_mapping=to(slot_mapping), q_seg=to(q_seg), q_pos=to(q_pos), q_start=to(q_start),
+        prompt_lens=to(prompt_lens), prefix_table=to(prefix_table), suffix_table=to(suffix_table),
+        seg_group=to(torch.tensor([s.group_index for s in segments], dtype=torch.long)), max_q_len=int(q_lens.max()),
         num_groups=len({(s.group_index, s.prompt_len, tuple(s.prefix_blocks)) for s in segments}),
         copy_slots=(to(copies[:, 0]), to(copies[:, 1])) if copies.numel() else None,
     )
@@ -254,17 +247,7 @@ def decode_metadata(
     own = positions - prompt_lens  # the input token is a completion token: it lives in the row's own blocks
     block = suffix_table.gather(1, (own // block_size)[:, None])[:, 0]
     return PagedAttentionMetadata(
-        block_size=block_size,
-        slot_mapping=block * block_size + own % block_size,
-        q_seg=rows,
-        q_pos=positions,
-        q_start=rows,
-        prompt_lens=prompt_lens,
-        prefix_table=prefix_table,
-        suffix_table=suffix_table,
-        seg_group=groups,
-        max_q_len=1,
-        num_groups=num_groups,
-        row_group_slot=row_group_slot,
-        group_prefix_table=group_prefix_table,
+        block_size=block_size, slot_mapping=block * block_size + own % block_size, q_seg=rows, q_pos=positions,
+        q_start=rows, prompt_lens=prompt_lens, prefix_table=prefix_table, suffix_table=suffix_table, seg_group=groups,
+        max_q_len=1, num_groups=num_groups, row_group_slot=row_group_slot, group_prefix_table=group_prefix_table,
     )
