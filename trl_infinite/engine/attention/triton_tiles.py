@@ -52,10 +52,6 @@ def value_block(head_dim_v: int) -> int:
     return max(16, 1 << (head_dim_v - 1).bit_length())
 
 
-def _row_cap(block_dv: int) -> int:
-    return 64 if block_dv <= 128 else 32 if block_dv <= 256 else 16
-
-
 def prefix_tiles(head_dim_k: int, head_dim_v: int) -> list[Tiles]:
     """Candidates of `_prefix_kernel` (rows = samples x GQA heads of a group)."""
     block_dv = value_block(head_dim_v)
@@ -70,7 +66,8 @@ def prefix_tiles(head_dim_k: int, head_dim_v: int) -> list[Tiles]:
 
 def suffix_rows(gqa: int, head_dim_v: int) -> tuple[int, int]:
     """(BLOCK_M, HEAD_TILES) of `_suffix_kernel`: the GQA heads of one KV head in tiles of at most the row cap."""
-    block_m = min(max(16, 1 << (gqa - 1).bit_length()), _row_cap(value_block(head_dim_v)))
+    block_dv = value_block(head_dim_v)  # the row cap: 64 up to Dv 128, 32 at 256, 16 beyond (module docstring)
+    block_m = min(max(16, 1 << (gqa - 1).bit_length()), 64 if block_dv <= 128 else 32 if block_dv <= 256 else 16)
     return block_m, -(-gqa // block_m)
 
 

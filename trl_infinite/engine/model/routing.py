@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -94,9 +94,7 @@ def verdict(model: torch.nn.Module, record: ProbeRecord) -> ModelSupport:
     _check_kwargs(model, calls)
     _check_coverage(model, calls)
     ordered = sorted(calls, key=lambda c: c.layer_idx)
-    specs = {c.layer_idx: replace(_layer_spec(model, c, i, record.num_tokens),
-                                  needs_scores=any(k in c.kwargs for k in ("softcap", "s_aux")))
-             for i, c in enumerate(ordered)}
+    specs = {c.layer_idx: _layer_spec(model, c, i, record.num_tokens) for i, c in enumerate(ordered)}
     kv = KVLayout(tuple(c.key_shape[1] for c in ordered), tuple(c.key_shape[3] for c in ordered),
                   tuple(c.value_shape[3] for c in ordered))
     kv_dtype, autocast = _dtypes(model, calls)
@@ -213,7 +211,9 @@ def _layer_spec(model, call: AttentionCall, pool_index: int, num_tokens: int) ->
                       "between heads")
     pos = torch.arange(num_tokens)
     got = call.mask.cpu() if call.mask is not None else pos[None, :] <= pos[:, None]
-    candidates = [LayerSpec(pool_index, w or None, chunk or None) for w in _window_candidates(cfg, call, kind, has_types)]
+    needs_scores = any(k in call.kwargs for k in ("softcap", "s_aux"))
+    candidates = [LayerSpec(pool_index, w or None, chunk or None, needs_scores)
+                  for w in _window_candidates(cfg, call, kind, has_types)]
     for spec in candidates:
         if got.shape == (num_tokens, num_tokens) and torch.equal(got, allowed(pos[:, None], pos[None, :],
                                                                               spec.sliding_window, spec.chunk_size)):

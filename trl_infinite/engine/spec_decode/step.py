@@ -121,17 +121,14 @@ class SpeculativeStep(DecodeStep):
             self.drafter.update(s, s.output_ids[seen:])
         self.known[s.seq_id] = s.num_generated
 
-    def _stop(self, s: Sequence) -> None:
-        self.drafter.stop(s)
-        del self.known[s.seq_id]
-
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Before drafting for `seqs`, on the caller's thread: the samples finished since the last draft first (their
         completions serve their siblings' drafts; then they are stopped), then each of `seqs` started or brought up
         to date in one update."""
         for s in self.retired:
             self._sync(s)
-            self._stop(s)
+            self.drafter.stop(s)
+            del self.known[s.seq_id]
         self.retired = []
         for s in seqs:
             self._sync(s)

@@ -43,13 +43,6 @@ class Verified:
     num_accepted: torch.Tensor  # [N]
 
 
-def _accepted_prefix(accept: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Length of the leading run of True in `accept` [N, K], limited to `lens` [N] -> [N]."""
-    k = accept.shape[1]
-    valid = torch.arange(k, device=accept.device)[None, :] < lens[:, None]
-    return torch.cumprod((accept & valid).long(), dim=1).sum(1)
-
-
 def plain_tokens(p: torch.Tensor, sample_keys: torch.Tensor | None) -> torch.Tensor:
     """[N, K+1] the tokens plain decoding emits from `p` [N, K+1, V]: argmax (`sample_keys` None) or the inverse-CDF
     draw with `sample_keys` [N, K+1]. `INVALID_TOKEN` where `p_j` is not finite (NaN row, see `Sampler.sample`)."""
@@ -67,8 +60,9 @@ def verify(p: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor, sample_key
     greedy)."""
     k1 = p.shape[1]
     y = plain_tokens(p, sample_keys)  # [N, K+1]
-    n_acc = _accepted_prefix(y[:, :-1] == drafts, lens)
     cols = torch.arange(k1, device=p.device)[None, :]
+    # drafts accepted: the leading run of `d_{j+1} = y_j`, limited to the row's `lens` drafts
+    n_acc = torch.cumprod(((y[:, :-1] == drafts) & (cols[:, :-1] < lens[:, None])).long(), dim=1).sum(1)
     tokens = torch.where(cols <= n_acc[:, None], y, torch.zeros_like(y))  # [N, K+1]: y_0 .. y_n, then padding
     logprobs = p.gather(2, tokens.clamp_min(0)[:, :, None])[:, :, 0]
     return Verified(tokens, logprobs, n_acc)
