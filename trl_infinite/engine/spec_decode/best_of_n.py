@@ -44,9 +44,7 @@ class BestOfNDrafter(Drafter):
 
     def update(self, seq: Sequence, tokens: list[int]) -> None:
         for mi, draft in self.pending.pop(seq.seq_id, []):
-            matched = 0
-            while matched < min(len(draft), len(tokens)) and draft[matched] == tokens[matched]:
-                matched += 1
+            matched = next((j for j, (d, t) in enumerate(zip(draft, tokens)) if d != t), min(len(draft), len(tokens)))
             self.tracker.observe((seq.seq_id, mi), len(draft), matched)
         for m in self.members:
             m.update(seq, tokens)

@@ -72,9 +72,8 @@ class DecoupledStep(SpeculativeStep):
         self.w_max = spec.max_tokens
         fixed = window if window is not None or spec.adaptive else spec.max_tokens
         self.every = reconfigure_every if fixed is None else 0
-        self.plan: Plan | None = None
-        if fixed is not None:  # a fixed window (or `speculative_adaptive=False`): no plan, no reconfiguration
-            self.plan = Plan(DECOUPLED, fixed, 0.0)
+        # a fixed window (or `speculative_adaptive=False`): no plan, no reconfiguration
+        self.plan: Plan | None = Plan(DECOUPLED, fixed, 0.0) if fixed is not None else None
         self.per_row: dict[int, Plan] = {}
         self.draining = False  # the plan in force is the drain plan (its per-row windows are used as they are)
         self.chains: dict[int, _Chain] = {}

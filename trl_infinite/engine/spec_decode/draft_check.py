@@ -36,12 +36,12 @@ def _config_holders(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return {id(m): m for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
 
 
-def own_configs(draft: torch.nn.Module, target: torch.nn.Module) -> int:
+def own_configs(draft: torch.nn.Module, target: torch.nn.Module) -> None:
     """Give the draft's modules their own deep copy of every config object they share with the target (one copy per
-    shared object, sub-configs kept linked); refuse a draft that shares a config-holding module with the target.
-    Returns the number of config objects copied. A draft that is the target is left as it is."""
+    shared object, sub-configs kept linked); refuse a draft that shares a config-holding module with the target. A
+    draft that is the target is left as it is."""
     if draft is target:
-        return 0
+        return
     target_holders = _config_holders(target)
     shared_modules = [m for i, m in _config_holders(draft).items() if i in target_holders]
     if shared_modules:
@@ -58,7 +58,6 @@ def own_configs(draft: torch.nn.Module, target: torch.nn.Module) -> int:
             if id(cfg) not in copies:
                 copies[id(cfg)] = copy.deepcopy(cfg, memo)
             m.config = copies[id(cfg)]
-    return len(copies)
 
 
 def proposable_ids(model: torch.nn.Module) -> int:

@@ -28,8 +28,7 @@ class Speculator:
     def __init__(self, config: EngineConfig, device: torch.device, history=None, target: torch.nn.Module | None = None,
                  target_support: ModelSupport | None = None):
         """`target` (the engine's model, with its `target_support`): the draft model is checked against it once
-        (`draft_check.py`: its own config objects, its vocabulary, its support contract), `draft_support` kept for
-        every call's drafter and `draft_block_bytes` for the engine's KV budget."""
+        (`_check_draft`), its `draft_support` kept for every call's drafter and the engine's KV budget."""
         self.engine_config = config
         self.config = config.speculative
         self.adaptive = self.config.adaptive
@@ -71,8 +70,7 @@ class Speculator:
         return self.config.num_tokens
 
     def build_drafter(self, sampling: SamplingParams, pool_blocks: int | None = None) -> Drafter:
-        """A fresh drafter for one `generate` call, the one `speculative_method` names (`pool_blocks`: the target
-        pool's usable blocks in this call, which a draft model's pool mirrors)."""
+        """A fresh drafter for one `generate` call, the one `speculative_method` names (`DraftContext`)."""
         context = DraftContext(self.device, sampling, self.engine_config, self.history, self.draft_model,
                                self.draft_support, pool_blocks)
         return DRAFTERS.build(self.config.method, self.config, context)
