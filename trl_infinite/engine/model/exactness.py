@@ -101,9 +101,8 @@ def rounding_bound(model: torch.nn.Module, ids: torch.Tensor, dtype: torch.dtype
     `float32_noise`: the relative distance of the 16-bit forward from the float32 forward, where measured."""
     eps = torch.finfo(dtype).eps
     noises = [n for n in (own_cache_error(model, ids, DECODE_TOKENS), float32_noise) if n is not None]
-    noise = max(noises) if noises else None
-    derived = FLOOR_ULPS * eps if noise is None else NOISE_MULTIPLE * noise
-    return RoundingBound(dtype, noise, min(max(derived, FLOOR_ULPS * eps), CAP_ULPS * eps))
+    noise = max(noises, default=None)
+    return RoundingBound(dtype, noise, min(max(NOISE_MULTIPLE * (noise or 0.0), FLOOR_ULPS * eps), CAP_ULPS * eps))
 
 
 @torch.no_grad()

@@ -29,9 +29,8 @@ class NgramDrafter(Drafter):
         ctx, table = self.ctx[seq.seq_id], self.tables[seq.seq_id]
         for t in tokens:
             j = len(ctx)
-            for n in range(self.min_n, self.max_n + 1):
-                if j >= n:
-                    table[tuple(ctx[j - n : j])] = j
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                table[tuple(ctx[j - n : j])] = j
             ctx.append(t)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -47,9 +46,7 @@ class NgramDrafter(Drafter):
         ctx, table = self.ctx[seq.seq_id], self.tables[seq.seq_id]
         if extra:
             ctx = ctx + list(extra)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if len(ctx) < n:
-                continue
+        for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
             j = table.get(tuple(ctx[-n:]))
             if j is not None:
                 return Proposal(ctx[j : j + k])
