@@ -133,9 +133,8 @@ def compile_one(fn, constexprs: dict, dtype: str, arch: int, config: tiles.Tiles
                        attrs=_aligned(fn, constexprs))
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     report = _ptxas_report(kernel.asm["ptx"], arch)
-    return Resources(fn.fn.__name__, arch, dtype, (constexprs["HEAD_DIM_K"] if "HEAD_DIM_K" in constexprs else 0,
-                                                   constexprs["HEAD_DIM_V"]), config, report["registers"],
-                     report["spill_stores"], report["spill_loads"], report["stack"],
+    return Resources(fn.fn.__name__, arch, dtype, (constexprs.get("HEAD_DIM_K", 0), constexprs["HEAD_DIM_V"]), config,
+                     report["registers"], report["spill_stores"], report["spill_loads"], report["stack"],
                      kernel.metadata.shared + report["static_shared"], "async_copy_global_to_local" in kernel.asm["ttgir"])
 
 
