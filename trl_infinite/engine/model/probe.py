@@ -102,9 +102,7 @@ def _probe_attention(module, query, key, value, attention_mask, paged_ctx=None, 
 
 
 def _probe_mask(*args, **kwargs):
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
 
 
 AttentionInterface.register(PROBE_ATTENTION_NAME, _probe_attention)

@@ -136,10 +136,8 @@ class DecoupledStep(SpeculativeStep):
         if all(p.mode == COUPLED for p in rows):  # no row drafts ahead: exactly coupled speculation (or plain)
             return self._draft_coupled(seqs, lookahead, rows)
         caps = [max(0, min(lookahead, s.length_limit - s.num_generated - 1)) for s in seqs]
-        out = [EMPTY] * len(seqs)
-        ks = [0] * len(seqs)
-        for i, s in enumerate(seqs):
-            row_plan = rows[i]
+        out, ks = [EMPTY] * len(seqs), [0] * len(seqs)
+        for i, (s, row_plan) in enumerate(zip(seqs, rows)):
             w = min(row_plan.window, caps[i])
             chain = self.chains.pop(s.seq_id, None)
             if row_plan.mode == COUPLED:
