@@ -29,26 +29,19 @@ class _Node:
         self.count = 0
 
 
-def _extend(root: _Node, active: list[_Node], token: int, max_depth: int) -> list[_Node]:
-    """Insert `token` after the suffixes in `active` (depths 0..); returns the new active list."""
+def _extend(root: _Node, active: list[_Node], token: int, max_depth: int, insert: bool = True) -> list[_Node]:
+    """Insert `token` after the suffixes in `active` (depths 0..); returns the new active list. `insert=False`: the
+    suffixes of the context that occur in the tree, nothing inserted or counted. A string occurs only if its own
+    suffixes do, so the matched depths are 0..m and the walk stops at the first missing child."""
     new = [root]
     for node in active[:max_depth]:
         child = node.children.get(token)
         if child is None:
+            if not insert:
+                break
             child = node.children[token] = _Node()
-        child.count += 1
-        new.append(child)
-    return new
-
-
-def _follow(root: _Node, active: list[_Node], token: int, max_depth: int) -> list[_Node]:
-    """Like `_extend` without inserting: the suffixes of the context that occur in the tree. A string occurs only
-    if its own suffixes do, so the matched depths are 0..m and the walk stops at the first missing child."""
-    new = [root]
-    for node in active[:max_depth]:
-        child = node.children.get(token)
-        if child is None:
-            break
+        if insert:
+            child.count += 1
         new.append(child)
     return new
 
@@ -97,9 +90,8 @@ class SuffixDrafter(Drafter):
 
     def update(self, seq: Sequence, tokens: list[int]) -> None:
         root, active = self.trees[seq.group_id].root, self.active_nodes[seq.seq_id]
-        step = _extend if self.insert_own else _follow
         for t in tokens:
-            active = step(root, active, t, self.max_depth)
+            active = _extend(root, active, t, self.max_depth, self.insert_own)
         self.active_nodes[seq.seq_id] = active
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -114,7 +106,7 @@ class SuffixDrafter(Drafter):
             active = self.active_nodes[s.seq_id]
             root = self.trees[s.group_id].root
             for t in extra:
-                active = _follow(root, active, t, self.max_depth)
+                active = _extend(root, active, t, self.max_depth, insert=False)
             out.append(self._one(s, k, active) if k > 0 else EMPTY)
         return out
 
