@@ -126,8 +126,7 @@ def with_context(meta: PagedAttentionMetadata, mask_keys: tuple[MaskKey, ...]) -
     device, bs = meta.prompt_lens.device, meta.block_size
     num_seg = meta.prompt_lens.shape[0]
     slots = torch.cat([_table_slots(meta.prefix_table, bs), _table_slots(meta.suffix_table, bs)], 1)  # [S, C]
-    cp = meta.prefix_table.shape[1] * bs
-    cs = meta.suffix_table.shape[1] * bs
+    cp, cs = meta.prefix_table.shape[1] * bs, meta.suffix_table.shape[1] * bs
     col = torch.arange(cp + cs, device=device)
     plen = meta.prompt_lens[:, None]
     kpos = torch.where(col < cp, col, plen + col - cp)  # [S, C] absolute position of each column

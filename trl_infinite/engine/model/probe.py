@@ -1,6 +1,6 @@
 """The routing probe: one short forward of the model with a recording attention function.
 
-`record_attention_calls(model, num_tokens)` runs `model(input_ids [1, N], position_ids, use_cache=False,
+`record_attention_calls(model, input_ids)` runs `model(input_ids [1, N], position_ids, use_cache=False,
 paged_ctx=<recorder>)` with every attention config pointed at `PROBE_ATTENTION_NAME`, registered in transformers'
 `AttentionInterface` and (so the model builds its masks for it) in its mask interface, with the causal-skip
 shortcut disabled. Each call of the function is recorded: which module, the key / value shapes and dtypes, the
