@@ -102,12 +102,6 @@ def shrink_config(config, keep_layers: bool = False, rules=SHRINK_RULES):
     return type(config).from_dict(_ids_in_vocab(_shrink_dict(data, keep_layers, rules)))
 
 
-def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (its class is built from the config)."""
-    base = getattr(model, "get_base_model", None)
-    return base() if callable(base) else model
-
-
 def replica(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """A tiny random-weight float32 model of `model`'s class and structure on the CPU, in eval mode (see the module
     docstring), whose own forward runs; `Float32ReferenceError` if none can be built (the first reason)."""
@@ -121,7 +115,8 @@ def replica(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def _replica(model: torch.nn.Module, seed: int, rules) -> torch.nn.Module:
-    inner = _causal_lm(model)
+    base = getattr(model, "get_base_model", None)  # the transformers model under a PEFT wrapper (built from config)
+    inner = base() if callable(base) else model
     try:
         config = shrink_config(inner.config, keep_layers=True, rules=rules)
         with torch.device("meta"):

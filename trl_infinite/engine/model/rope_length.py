@@ -49,10 +49,6 @@ def rope_types(config) -> list[str]:
     return found
 
 
-def _recomputed(kind: str) -> bool:
-    return "dynamic" in kind or kind in RECOMPUTED_PER_FORWARD
-
-
 def _position_limits(config) -> list[int]:
     """Positions worth probing: powers of two, and each position-like integer of the config around its value."""
     limits = set()
@@ -134,7 +130,7 @@ def _length_dependent_at(module: torch.nn.Module, limits: list[int]) -> int | No
 
 def length_dependent_rope(model: torch.nn.Module, config) -> str | None:
     """Why `model`'s rotary embedding is length dependent (see the module docstring), or None."""
-    named = [k for k in rope_types(config) if _recomputed(k)]
+    named = [k for k in rope_types(config) if "dynamic" in k or k in RECOMPUTED_PER_FORWARD]
     limits = _position_limits(config)
     for module in _rotary_modules(model):
         at = _length_dependent_at(module, limits)
