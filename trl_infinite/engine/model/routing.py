@@ -156,13 +156,9 @@ def _check_kwargs(model, calls: list[AttentionCall]) -> None:
 def _decoder_layers(model, num_layers: int, called: set[int]):
     """The ModuleList of `num_layers` decoder layers: of the lists of that length, the one holding most of the
     modules that called attention (None if no list holds any)."""
-    best, best_hits = None, 0
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers:
-            hits = sum(1 for sub in m.modules() if id(sub) in called)
-            if hits > best_hits:
-                best, best_hits = m, hits
-    return best
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    hits = [sum(1 for sub in m.modules() if id(sub) in called) for m in lists]
+    return lists[hits.index(max(hits))] if hits and max(hits) > 0 else None
 
 
 def _check_coverage(model, calls: list[AttentionCall]) -> None:

@@ -96,7 +96,6 @@ class BestOfNDrafter(Drafter):
     def stop(self, seq: Sequence) -> None:
         super().stop(seq)
         self.pending.pop(seq.seq_id, None)
-        for m in self.members:
+        for mi, m in enumerate(self.members):
             m.stop(seq)
-        for mi in range(len(self.members)):
             self.tracker.forget((seq.seq_id, mi))
