@@ -61,9 +61,8 @@ OVERRIDES: dict[str, dict] = {
     "mamba2": dict(num_heads=8),
     "musicgen": dict(num_codebooks=1), "musicgen_melody": dict(num_codebooks=1),  # one token stream per sequence
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
-    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
-    "gemma4_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
-    "gemma4": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+    **{t: dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
+       for t in ("gemma3n_text", "gemma4_text", "gemma4")},
     "longcat_flash": dict(**_MLA_HEADS, expert_ffn_hidden_size=32, qk_rope_head_dim=8),
     "roc_bert": dict(is_decoder=True, pronunciation_vocab_size=VOCAB, shape_vocab_size=VOCAB),
     "xlm": dict(emb_dim=32),
@@ -77,11 +76,9 @@ OVERRIDES: dict[str, dict] = {
     **{t: dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                   image_size=28, patch_size=14), mm_tokens_per_image=4) for t in ("gemma3",)},
     "xmod": dict(is_decoder=True, default_language="en_XX"),
-    "bert": dict(is_decoder=True), "bert-generation": dict(is_decoder=True), "big_bird": dict(is_decoder=True),
-    "camembert": dict(is_decoder=True), "data2vec-text": dict(is_decoder=True), "electra": dict(is_decoder=True),
-    "ernie": dict(is_decoder=True), "megatron-bert": dict(is_decoder=True), "rembert": dict(is_decoder=True),
-    "roberta": dict(is_decoder=True), "roberta-prelayernorm": dict(is_decoder=True),
-    "roformer": dict(is_decoder=True), "xlm-roberta": dict(is_decoder=True), "xlm-roberta-xl": dict(is_decoder=True),
+    **{t: dict(is_decoder=True) for t in ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text",
+                                          "electra", "ernie", "megatron-bert", "rembert", "roberta",
+                                          "roberta-prelayernorm", "roformer", "xlm-roberta", "xlm-roberta-xl")},
 }
 
 

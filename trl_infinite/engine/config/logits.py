@@ -36,13 +36,8 @@ from trl_infinite.engine.config.generation_checks import check_generation_ids
 
 # `SamplingParams` fields (the fast path) and the processors `generate` builds from them
 COMMON_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
-COMMON_PROCESSORS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-)
+COMMON_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+                     RepetitionPenaltyLogitsProcessor)
 # set through other `SamplingParams` fields (`eos_token_ids`, `max_new_tokens`) or bookkeeping of the config itself
 RESERVED_KEYS = ("eos_token_id", "max_new_tokens", "max_length", "transformers_version", "_from_model_config")
 _DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -116,11 +111,9 @@ def split_generation_config(config: GenerationConfig) -> tuple[dict, dict]:
     }
     known = generation_config_keys()
     defaults = GenerationConfig._get_default_generation_params()  # what `generate` uses for unset keys: no-ops
-    extra = {
-        k: v
-        for k, v in config.to_diff_dict().items()
-        if k in known and k not in COMMON_KEYS and k not in RESERVED_KEYS and not (k in defaults and defaults[k] == v)
-    }
+    skip = (*COMMON_KEYS, *RESERVED_KEYS)
+    extra = {k: v for k, v in config.to_diff_dict().items()
+             if k in known and k not in skip and not (k in defaults and defaults[k] == v)}
     return common, extra
 
 
@@ -175,9 +168,8 @@ class GenerationProcessors:
         procs = self._by_prompt_len.get(prompt_len)
         if procs is None:
             config = copy.deepcopy(self.config)
-            max_new = self.max_new
-            if max_new is not None:
-                config.max_length = prompt_len + max_new
+            if self.max_new is not None:
+                config.max_length = prompt_len + self.max_new
             if config.min_new_tokens is not None:  # as `generate`'s `_prepare_generated_length`
                 config.min_length = config.min_new_tokens + prompt_len
             self.model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=self.device)

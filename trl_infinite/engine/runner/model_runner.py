@@ -113,14 +113,8 @@ class ModelRunner:
         if keep and num_keep % self.row_multiple:  # the LM head at a row-invariant count (module docstring)
             pad = padded_count(num_keep, self.row_multiple) - num_keep
             logits_to_keep = torch.cat([logits_to_keep, logits_to_keep[-1:].expand(pad)])
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=False,
-            paged_ctx=ctx,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=output_hidden,
-        )
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, paged_ctx=ctx,
+                         logits_to_keep=logits_to_keep, output_hidden_states=output_hidden)
         logits = out.logits[0]
         if keep and logits.shape[0] != logits_to_keep.shape[0]:  # a model that ignores `logits_to_keep`
             logits = logits[logits_to_keep]

@@ -5,8 +5,7 @@ warpers are transformers' own classes); with any other `GenerationConfig` key in
 the whole processor list `generate` builds runs instead, row by row (`engine/config/logits.py`). A draw is an inverse-CDF
 lookup: with the row's cumulative probabilities `c_v = sum_{w <= v} p_w` and one uniform `U`, the token is the
 first `v` with `c_v > U * c_V`, an exact draw from `p` (zero-probability tokens are never hit: their `c_v` does not
-rise). It runs in two levels so that the whole row is read only twice (exp, then float64 block sums): the block is
-found on the cumulative block sums, the token on the cumulative sums inside that block; no host sync, static shapes.
+rise), in two levels with no host sync and static shapes (`categorical`).
 
 Every uniform is a pure function of (seed, prompt index, sample index, position, stream), a counter-based
 generator: the same seed gives the same sample whatever the batch composition, the sampling mode or the scheduler,

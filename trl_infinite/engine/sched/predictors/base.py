@@ -82,11 +82,6 @@ class LengthPredictor:
         # seq_id -> the prediction the sample is ranked with (side table, popped when the sample finishes)
         self.predictions: dict[int, float] = {}
 
-    @property
-    def abs_errors(self) -> list[float]:
-        """The absolute errors of the current call's scored predictions."""
-        return self.scores.call
-
     def begin_call(self, groups: list[Group]) -> None:
         """A `generate` call with these prompt groups starts (called by the length-aware policies)."""
 
