@@ -87,9 +87,8 @@ SCHEDULERS: Registry[type] = Registry("scheduler", {
     **{name: f"{_POLICIES}.length_aware" for name in ("sjf", "lfs", "fptas", "infinite", "seer", "lrf", "lfs_max")},
 })
 # `AdmissionPolicy` classes, `cls(config: SchedulingConfig)`: how many samples run at once
-BATCH_POLICIES: Registry[type] = Registry("batch_policy", {
-    name: f"{_POLICIES}.admission" for name in ("static", "memory", "sla")
-})
+BATCH_POLICIES: Registry[type] = Registry("batch_policy",
+                                          {name: f"{_POLICIES}.admission" for name in ("static", "memory", "sla")})
 # `LengthPredictor` classes, `cls(config: SchedulingConfig, history: PromptHistory | None)`: the length-aware
 # schedulers' predictor (one per engine: it learns across calls)
 PREDICTORS: Registry[type] = Registry("length_predictor", {

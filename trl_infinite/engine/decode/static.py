@@ -192,7 +192,7 @@ class StaticDecoder(DecodeStep):
         the read-back to `stats.host_time_s`, the forward's (up to the read-back) to `stats.decode_forward_s`."""
         t0 = time.perf_counter()
         stats = self.stats
-        row_of = self.rows.update(batch.decode, batch.grown, batch.rebuilt)
+        row_of = self.rows.update(batch.decode, batch.grown, batch.readmitted)
         n = len(row_of)
         padded = next(b for b in bucket_sizes(self.rows.capacity, self.runner.row_multiple) if b >= n)
         captured = self.graphs is not None and self.graphs.covers(padded)

@@ -221,10 +221,9 @@ class KVCachePool:
         if n < 2:
             draft = (f", {self.companion_block_bytes} of them the draft model's pool (`speculative_draft_model`)"
                      if self.companion_block_bytes else "")
-            raise ValueError(
-                f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, "
-                f"{self.budget_block_bytes} bytes each{draft}; one is the null block of padded decode rows); raise it."
-            )
+            raise ValueError(f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, "
+                             f"{self.budget_block_bytes} bytes each{draft}; one is the null block of padded decode "
+                             "rows); raise it.")
         return n
 
     def _rounding_bytes(self) -> int:
