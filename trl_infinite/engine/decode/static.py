@@ -204,8 +204,7 @@ class StaticDecoder(DecodeStep):
             out = self.graphs.replay(key, x, self._run, partial(self._run, capture=True))
             stats.graph_captures += self.graphs.captures - before
         if out is None:
-            with self.runner.routed():
-                out = self._step(x) if self._compiled is None else self._compiled(self._compile_key(x), x)
+            out = self._run(x)
         packed, hidden = out  # [padded, 2 or 3] float64
         read = ReadBack(packed, non_blocking=True)
         t2 = time.perf_counter()
