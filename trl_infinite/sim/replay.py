@@ -64,14 +64,9 @@ class SimResult:
         return sum(b for b, e in zip(self.bounds, self.epochs) if epochs is None or e in epochs)
 
 
-def step_cost(length: int) -> int:
-    """Decode rows one sample needs: its first token comes from its prompt's prefill, each further one from a row."""
-    return length - 1
-
-
 def oracle_bound(lengths: list[int], slots: int | None) -> int:
     """Lower bound on the decode steps of `slots` continuous slots: max(longest sample, total work / slots)."""
-    costs = [step_cost(x) for x in lengths]
+    costs = [x - 1 for x in lengths]  # the first token comes from the prompt's prefill, each further one a row
     return max(max(costs), -(-sum(costs) // (slots or len(costs))))
 
 

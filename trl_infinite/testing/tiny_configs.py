@@ -13,8 +13,7 @@ import inspect
 
 import torch
 
-from trl_infinite.engine.model.replica import REPLICA_VOCAB
-from trl_infinite.engine.model.replica import shrink_config as _shrink
+from trl_infinite.engine.model.replica import REPLICA_VOCAB, shrink_config
 
 VOCAB = REPLICA_VOCAB
 # size fields by name, passed when the config class accepts them
@@ -142,19 +141,11 @@ def count_params(model_cls, config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def shrink_config(config):
-    """`config` with every integer size field whose name says it is a vocabulary, head count, layer count, expert
-    count, window or width capped at the tiny sizes (`engine.replica.SHRINK_RULES`, shared with the support
-    contract's float32 replica), sub-configs included, rebuilt through the config class so that its
-    `__post_init__` derives the rest. For configs whose own fields `SIZES` does not name (e.g. Inkling2's
-    `swa_num_attention_heads` and `unpadded_vocab_size`)."""
-    return _shrink(config)
-
-
 def build_tiny_model(model_type: str, seed: int = 0, max_params: int = 6_000_000, size: dict | None = None,
                      **overrides) -> torch.nn.Module:
     """A float32 random-weight causal LM of `model_type` in eval mode. A config over `max_params` after `SIZES` is
-    shrunk generically (`shrink_config`, then `overrides` again); ValueError if it is still over."""
+    shrunk generically (the float32 replica's `shrink_config`, for fields `SIZES` does not name, e.g. Inkling2's
+    `swa_num_attention_heads`; then `overrides` again); ValueError if it is still over."""
     config = tiny_config(model_type, size, **overrides)
     model_cls = causal_lm_class(model_type)
     n = count_params(model_cls, config)

@@ -49,14 +49,9 @@ HALF = (torch.bfloat16, torch.float16)
 
 def _cast_types() -> tuple[type, ...]:
     """Module types whose forward is one autocast-cast op on their weight and bias (and nothing else)."""
-    types: list[type] = [nn.Linear]
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-    else:
-        types.append(Conv1D)
-    return tuple(types)
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
 
 
 def _dora_bases(model: nn.Module) -> set[int]:
@@ -152,18 +147,15 @@ class WeightCopy:
         if self.allocated and fingerprint == self._fingerprint:
             return
         with torch.no_grad():
-            if self.stable and self._reserved_copies():
-                self._fingerprint = fingerprint
-                self.refreshes += 1
-                return
-            for p in self.params:
-                held = self._copies.get(id(p))
-                if held is None or held.shape != p.shape or held.device != p.device:
-                    self._copies[id(p)] = p.detach().to(self.dtype)
-                else:
-                    held.copy_(p.detach())
-            live = {id(p) for p in self.params}
-            self._copies = {k: t for k, t in self._copies.items() if k in live}
+            if not (self.stable and self._reserved_copies()):
+                for p in self.params:
+                    held = self._copies.get(id(p))
+                    if held is None or held.shape != p.shape or held.device != p.device:
+                        self._copies[id(p)] = p.detach().to(self.dtype)
+                    else:
+                        held.copy_(p.detach())
+                live = {id(p) for p in self.params}
+                self._copies = {k: t for k, t in self._copies.items() if k in live}
         self._fingerprint = fingerprint
         self.refreshes += 1
 
