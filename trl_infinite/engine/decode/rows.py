@@ -102,7 +102,6 @@ class DecodeRows:
                    self.group_slot]
         return tensors + ([self.seen] if self.seen is not None else [])
 
-    # ------------------------------------------------------------------ one step
     def update(self, seqs: list[Sequence], grown: list[Sequence] = (), rebuilt: list[Sequence] = ()) -> list[int]:
         """Make rows `0 .. len(seqs)-1` hold exactly `seqs`; returns each sample's row (in `seqs` order).
         `grown`: samples whose own block list the scheduler extended this step; `rebuilt`: samples whose KV was

@@ -121,7 +121,6 @@ class StaticDecoder(DecodeStep):
                        if compile_backend == "inductor" and self.device.type == "cpu" else None)
             self._compiled = CompiledStep(self._step, compile_backend, options)
 
-    # ------------------------------------------------------------------ per call
     def begin(self, ctx: StepContext, capacity: int, prompt_blocks: int, own_blocks: int) -> None:
         """Prepare for one `generate` call: the rows' capacity and table widths, and from `ctx` the sampler, the seed,
         the stats and whether hidden states are wanted (`ctx.predictor`)."""
@@ -184,7 +183,6 @@ class StaticDecoder(DecodeStep):
         if self.rows is not None:
             self.rows.clear()
 
-    # ------------------------------------------------------------------ one step
     def launch(self, batch: ScheduledBatch) -> Pending:
         """Start one decode step over `batch.decode` (one token per sample); returns the function that waits for it.
         On CUDA the step runs asynchronously between the two calls (the host is free, e.g. to score rewards), and

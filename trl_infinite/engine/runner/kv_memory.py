@@ -107,8 +107,7 @@ class ReservedRange:
 
 
 class HostReservedRange(ReservedRange):
-    """CPU: an anonymous mapping reserved without swap accounting; pages come on first touch (zeroed) and go back
-    with `madvise(MADV_DONTNEED)`."""
+    """CPU: an anonymous mapping reserved without swap accounting (see the module docstring)."""
 
     granularity = mmap.PAGESIZE
 

@@ -10,7 +10,7 @@ the tiny test models, 1 to 260 rows), a row's product is bit-identical whatever 
 a multiple of 4 (`tests/engine/decode/test_row_invariance.py` pins it). So on CPU every forward runs a multiple of 4 rows:
 `forward` adds one-token padding segments that write the pool's null block, and the logits kept (`logits_to_keep`)
 are padded the same way; the static decode step pads its rows to buckets that are multiples of 4
-(`static_decode.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
+(`decode.static.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
 (one (row, head) per work item); the verification forward runs its query tokens as decode rows of their own
 (`spec_decode/step.py`), so it goes through the same kernel as the plain step.
 """

@@ -112,7 +112,6 @@ class WeightCopy:
         copy = cls(model, autocast, stable)
         return copy if copy.targets else None
 
-    # ------------------------------------------------------------------ memory
     @property
     def params(self) -> list[nn.Parameter]:
         """The distinct float32 Parameters copied."""
@@ -135,7 +134,6 @@ class WeightCopy:
         """Bytes the next `refresh` allocates (0 while the copy is held): the KV budget's reserve for it."""
         return 0 if self.allocated else self.nbytes
 
-    # ------------------------------------------------------------------ lifetime
     def _weights_fingerprint(self) -> tuple:
         return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.params)
 

@@ -53,7 +53,6 @@ class PromptHistory:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._num_tokens = 0
 
-    # ------------------------------------------------------------------ reading
     def visits(self, prompt_ids) -> list[PromptVisit]:
         """The prompt's recorded visits, oldest first (empty when unseen). Reading does not refresh recency."""
         entry = self._entries.get(prompt_key(prompt_ids))
@@ -78,7 +77,6 @@ class PromptHistory:
         """Completion token ids held now (<= `max_tokens`)."""
         return self._num_tokens
 
-    # ------------------------------------------------------------------ writing
     def record(self, prompt_ids, lengths: list[int], completions: list[list[int]] | None = None) -> None:
         """Add one visit of a prompt (its G completions); the prompt becomes the most recently visited."""
         if self.max_prompts == 0 or not lengths:

@@ -57,7 +57,6 @@ class KVBlocks:
         forward) + drafts; a sample without tokens yet reserves the slot of its first token."""
         return blocks_for(max(seq.num_generated, 1) + lookahead, self.block_size)
 
-    # ------------------------------------------------------------------ prompts
     def _prompt_keys(self, group: Group) -> list[int]:
         keys = self._keys.get(group.group_id)
         if keys is None:
@@ -117,7 +116,6 @@ class KVBlocks:
         self.allocator.free(group.prompt_blocks)
         group.prompt_blocks = []
 
-    # ------------------------------------------------------------------ completions
     def cache_completion(self, seq: Sequence) -> None:
         """Register `seq`'s prompt + completion past its prompt's full blocks (see the module docstring): the
         positions whose KV is written (all but the last output token), after a cached chain; the full blocks, then
@@ -177,7 +175,6 @@ class KVBlocks:
         own = pos - plen
         return seq.blocks[own // bs] * bs + own % bs
 
-    # ------------------------------------------------------------------ divided rollout's host tier
     def offload(self, seq: Sequence) -> None:
         """Move the KV of parked `seq` to the host tier, freeing its blocks."""
         self.moves.append(Swap(seq.seq_id, tuple(seq.blocks), to_host=True))

@@ -18,10 +18,8 @@ learn. Every prediction that was used is scored against the true length at finis
   from finished siblings, else the prefix head, else the global mean (the default chain).
 - "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
 
-Predictors are built by name, `PREDICTORS.build(name, config, history)` with the `SchedulingConfig` (each reads its
-own section: `prefix_predictor`, `history_predictor`) and the engine's `PromptHistory` (`build_predictor`), one per
-engine, so they learn across calls; `begin_call(groups)` tells them a new `generate` call starts (group ids restart
-at 0 every call).
+Predictors are built by `build_predictor`, one per engine, so they learn across calls; `begin_call(groups)` tells
+them a new `generate` call starts (group ids restart at 0 every call).
 """
 
 from __future__ import annotations

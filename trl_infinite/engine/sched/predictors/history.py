@@ -107,7 +107,6 @@ class HistoryPredictor(LengthPredictor):
         for scores in self.source_scores.values():
             scores.end_call()
 
-    # ------------------------------------------------------------------ the chain
     def _past_lengths(self, group: Group) -> SortedLengths:
         past = self._past.get(group)
         if past is None:
@@ -165,7 +164,6 @@ class HistoryPredictor(LengthPredictor):
         """With the prefix link, only samples that no earlier link answers for probe the prefix."""
         return self.prefix_k is not None and self.predict_with_source(seq)[1] in ("prefix", "global")
 
-    # ------------------------------------------------------------------ learning and scoring
     def observe(self, seq: Sequence) -> None:
         n = seq.num_generated
         first = self._first.pop(seq.seq_id, None)
