@@ -166,14 +166,8 @@ def _executors(custom: TraceExecutor | None, features: dict | None, prompt_index
     return lambda call: custom or TraceExecutor(call.hidden_predictor, features, prompt_index, step_ms)
 
 
-def simulate(
-    records: list[TraceRecord],
-    config: SimConfig,
-    predictor: LengthPredictor | None = None,
-    features: dict | None = None,
-    history: PromptHistory | None = None,
-    executor_factory=None,
-) -> SimResult:
+def simulate(records: list[TraceRecord], config: SimConfig, predictor: LengthPredictor | None = None,
+             features: dict | None = None, history: PromptHistory | None = None, executor_factory=None) -> SimResult:
     """Run the trace call by call (B prompts each, one epoch per call), each call built as the engine builds it
     (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
     revisits prompts feeds later epochs the earlier ones). `executor_factory(chunk, index)` (records of the call,

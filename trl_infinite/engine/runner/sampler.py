@@ -62,8 +62,8 @@ def seed_base(seed: int, stream: int = STREAM_SAMPLE) -> int:
     return _signed(seed * 0x9E3779B97F4A7C15 + stream + 1)
 
 
-def row_keys(seed, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor, stream: int = 0,
-             ) -> torch.Tensor:
+def row_keys(seed, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor,
+             stream: int = 0) -> torch.Tensor:
     """One int64 key per row from (seed, prompt, sample, position, stream). All inputs [N] int64. `seed` is an int,
     or a 0-d int64 tensor holding `seed_base(seed, stream)` (then `stream` is already folded in)."""
     if isinstance(seed, torch.Tensor):

@@ -222,18 +222,12 @@ class WeightCopy:
         return list(self._copies.values())
 
 
-def probe_ids(vocab_size: int, device: torch.device, length: int = 12) -> torch.Tensor:
-    """A fixed token sequence for `check_exact` (the same on every run)."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, length), generator=gen).to(device)
-
-
 def check_exact(copy: WeightCopy, vocab_size: int, device: torch.device) -> bool:
     """Whether a forward of the model on the copy gives bit-identical logits to one on the float32 weights (under
     the autocast the caller runs in); warns and returns False otherwise (also when two forwards on the float32 weights
     already differ: a nondeterministic forward cannot be judged). Call with the model in eval mode and under
     `torch.inference_mode()`; the copy is released afterwards."""
-    ids = probe_ids(vocab_size, device)
+    ids = torch.randint(0, vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)  # fixed
     reference = copy.model(input_ids=ids, use_cache=False).logits
     again = copy.model(input_ids=ids, use_cache=False).logits
     copy.refresh()
