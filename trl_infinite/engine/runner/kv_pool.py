@@ -50,7 +50,6 @@ class KVCachePool:
         self._views: list[torch.Tensor] = []  # K tensors then V tensors over the whole reserved range
         self._capacity = 0  # usable blocks the reserved range holds
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
-        self.num_layers = self.layout.num_layers
         self.block_size = config.block_size
         self.dtype = dtype
         self.device = device
