@@ -16,13 +16,7 @@ the same tokens (`spec_decode/verify.py`). `seed` is an integer in [0, 2**64): d
 from __future__ import annotations
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import logits_process as lp
 
 from trl_infinite.engine.config.engine_config import SamplingParams
 from trl_infinite.engine.config.logits import GenerationProcessors
@@ -149,14 +143,14 @@ class Sampler:
         warpers = []
         if not params.greedy:
             if params.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(params.temperature))
+                warpers.append(lp.TemperatureLogitsWarper(params.temperature))
             if params.top_k:
-                warpers.append(TopKLogitsWarper(top_k=params.top_k))
+                warpers.append(lp.TopKLogitsWarper(top_k=params.top_k))
             if params.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(top_p=params.top_p))
+                warpers.append(lp.TopPLogitsWarper(top_p=params.top_p))
             if params.min_p > 0.0:
-                warpers.append(MinPLogitsWarper(min_p=params.min_p))
-        self.warpers = LogitsProcessorList(warpers)
+                warpers.append(lp.MinPLogitsWarper(min_p=params.min_p))
+        self.warpers = lp.LogitsProcessorList(warpers)
         self.raw_temperature = params.raw_logprobs_temperature
         # the raw log-probs are the processed ones when nothing but the same temperature processes the logits
         self._raw_is_processed = (
