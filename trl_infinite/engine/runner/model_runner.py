@@ -96,15 +96,11 @@ class ModelRunner:
         """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
         return paged_attention(self.model, self.attn_configs, self.temperature_tuned)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,  # [1, T]
-        positions: torch.Tensor,  # [1, T]
-        meta: PagedAttentionMetadata,
-        logits_to_keep: torch.Tensor | int,  # [R] query indices whose logits are needed, or 0 for all
-        output_hidden: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
+            logits_to_keep: torch.Tensor | int, output_hidden: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`input_ids`, `positions`: [1, T]; `logits_to_keep`: [R] query indices whose logits are needed, or 0 for
+        all. Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
         Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
         meta = self.backend.prepare(meta, self.mask_keys)
         ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.attend, self.layers)

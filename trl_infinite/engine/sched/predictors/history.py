@@ -113,11 +113,6 @@ class HistoryPredictor(LengthPredictor):
             past = self._past[group] = SortedLengths(self.history.lengths(group.prompt_ids))
         return past
 
-    def _global(self) -> SortedLengths:
-        if self._recent_sorted is None:
-            self._recent_sorted = SortedLengths(self.recent)
-        return self._recent_sorted
-
     def predict_with_source(self, seq: Sequence) -> tuple[float | None, str]:
         """(predicted total length, source); (None, "global") when nothing is known yet."""
         e = seq.num_generated
@@ -134,7 +129,9 @@ class HistoryPredictor(LengthPredictor):
         pred = self.prefix.predict(seq) if self.prefix_k is not None else None
         if pred is not None and pred > e:
             return pred, "prefix"
-        return self._global().mean_above(e), "global"
+        if self._recent_sorted is None:
+            self._recent_sorted = SortedLengths(self.recent)
+        return self._recent_sorted.mean_above(e), "global"
 
     def predict(self, seq: Sequence) -> float | None:
         pred, source = self.predict_with_source(seq)
