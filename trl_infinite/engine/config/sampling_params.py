@@ -63,7 +63,7 @@ class SamplingParams:
         self._check_generation_kwargs()
 
     def _check_generation_kwargs(self) -> None:
-        from trl_infinite.engine.config import logits
+        import trl_infinite.engine.config.logits as logits
         from trl_infinite.engine.config.generation_checks import check_generation_values
 
         if not isinstance(self.generation_kwargs, dict):
