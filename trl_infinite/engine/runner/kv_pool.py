@@ -185,10 +185,7 @@ class KVCachePool:
         # One allocation carved into per-layer views: freed as a whole (on CPU a block this large is its own mapping,
         # given back to the OS at once; many per-layer tensors would stay in the heap and fragment it)
         storage = torch.zeros(sum(s * h * d for s, h, d in shapes), dtype=self.dtype, device=self.device)
-        views, offset = [], 0
-        for s, h, d in shapes:
-            views.append(storage[offset : offset + s * h * d].view(s, h, d))
-            offset += s * h * d
+        views = [t.view(shape) for t, shape in zip(storage.split([s * h * d for s, h, d in shapes]), shapes)]
         self.k_caches, self.v_caches = views[: lay.num_layers], views[lay.num_layers :]
         self.allocator = BlockAllocator(usable_blocks, self.block_size, self.prefix_cache)
 
