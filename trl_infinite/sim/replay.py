@@ -141,6 +141,11 @@ def _calls(records: list[TraceRecord], per_call: int) -> list[list[TraceRecord]]
     return calls
 
 
+def _requests(records: list[TraceRecord], max_new: int) -> list[Group]:
+    return [make_group(i, _prompt_ids(rec), len(rec.lengths), max_new, forced_lengths=rec.lengths)
+            for i, rec in enumerate(records)]
+
+
 def _budget_blocks(config: EngineConfig, groups: list[Group], max_new: int) -> int:
     """The call's KV budget in blocks (see `SimConfig`); with `kv_cache_tokens`, the engine's (one block of it is
     the null block of padded decode rows)."""
@@ -174,8 +179,7 @@ def simulate(records: list[TraceRecord], config: SimConfig, predictor: LengthPre
     out = SimResult()
     for chunk in _calls(records, config.prompts_per_call):
         max_new = config.max_new_tokens or max(r.max_new_tokens or max(r.lengths) for r in chunk)
-        groups = [make_group(i, _prompt_ids(rec), len(rec.lengths), max_new, forced_lengths=rec.lengths)
-                  for i, rec in enumerate(chunk)]
+        groups = _requests(chunk, max_new)
         index = {g.group_id: rec.prompt_index for g, rec in zip(groups, chunk)}
         custom = executor_factory(chunk, index) if executor_factory is not None else None
         lookahead = custom.lookahead(0) if custom is not None else 0
