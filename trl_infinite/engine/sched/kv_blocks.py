@@ -9,9 +9,8 @@ are shared instead of allocated and only the rest is prefilled (at least its las
 tokens); its new full blocks are registered at once, so a prompt admitted later in the same step reads them (the
 prefill runs the step's prompts in admission order, each layer writing every new token's KV before attending). The
 first ids of the next block found inside a cached block (a partial hit) are copied by the prefill's layers
-(`PrefillCopy`). With `cache_completions`, a finished sample's full blocks past its prompt are registered too (its
-own blocks, its KV shifted onto the cache's block grid by a `SlotCopy` where the prompt ends inside a block), so the
-next turn of a tool loop prefills only what follows them.
+(`PrefillCopy`). With `cache_completions`, a finished sample's blocks past its prompt are registered too
+(`cache_completion`), so the next turn of a tool loop prefills only what follows them.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ finds it). A prompt whose shared part ends inside a block (a 200-token header in
 of that block from a cached block after the same prefix (`partial`), copied by the prefill forward's layers
 (`kv_blocks.KVBlocks.allocate_prompt`), not run through the model.
 
-Reference counts live in the `BlockAllocator`: a cached block nobody references is *evictable*: counted free, and
-given to a new owner (its entry dropped) least recently used first, only once no never-used block is left.
+Reference counts live in the `BlockAllocator`, which evicts cached blocks nobody references.
 
 Pure Python (no torch): the scheduler and the trace simulator share it. The engine drops every entry when the
 model's weights may have changed (`weight_state.py`).
