@@ -41,16 +41,8 @@ class Row:
 
 
 ROWS = [
-    Row("micro_group", "micro_group", "fifo"),
-    Row("fixed_slot", "fixed_slot", "fifo"),
-    Row("dynamic_slot", "dynamic_slot", "fifo"),
-    Row("fptas", "fixed_slot", "fptas"),
-    Row("sjf", "fixed_slot", "sjf"),
-    Row("infinite", "fixed_slot", "infinite"),
-    Row("seer", "fixed_slot", "seer"),
-    Row("lfs", "fixed_slot", "lfs"),
-    Row("lrf", "fixed_slot", "lrf"),
-    Row("lfs_max", "fixed_slot", "lfs_max"),
+    *(Row(mode, mode, "fifo") for mode in ("micro_group", "fixed_slot", "dynamic_slot")),
+    *(Row(name, "fixed_slot", name) for name in ("fptas", "sjf", "infinite", "seer", "lfs", "lrf", "lfs_max")),
     Row("lrf+chunks", "fixed_slot", "lrf", divided=True),
 ]
 ORACLE = Row("oracle", "fixed_slot", "infinite")

@@ -54,8 +54,7 @@ OVERRIDES: dict[str, dict] = {
     "lfm3": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "falcon_h1": dict(mamba_d_ssm=64),
-    "zamba": dict(layers_block_type=["mamba", "hybrid"]),
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    **{t: dict(layers_block_type=["mamba", "hybrid"]) for t in ("zamba", "zamba2")},
     "zaya": dict(num_experts_per_tok=1),
     "mamba2": dict(num_heads=8),
     "musicgen": dict(num_codebooks=1), "musicgen_melody": dict(num_codebooks=1),  # one token stream per sequence
