@@ -6,14 +6,14 @@ the trainer's `rollout_<flag>`, `EngineConfig(<flag>=...)`); here `max_active_se
 
 Rows (B = --prompts-per-call prompts per engine call, G from the trace, g = --max_active_sequences): micro_group /
 fixed_slot / dynamic_slot with FIFO, then fixed_slot with every length-aware scheduler fed by --length_predictor,
-and lrf with divided
-rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths,
-the paper's Infinite-sampling*) and "bound" (sum over engine calls of max(longest, total work / g), which no g-slot
-schedule beats). With --random-orders R, "fifo_random_order" is fixed_slot FIFO averaged over R random orders of
-each prompt's samples: with one prompt per call, the expected steps of *any* policy that does not preempt and cannot
+and lrf with divided rollout (--row-chunk-tokens), "oracle" (infinite fed the true lengths, the paper's
+Infinite-sampling*) and "bound" (sum over engine calls of max(longest, total work / g), which no g-slot schedule
+beats). With --random-orders R, "fifo_random_order" is fixed_slot FIFO averaged over R random orders of each
+prompt's samples: with one prompt per call, the expected steps of *any* policy that does not preempt and cannot
 tell a prompt's samples apart (whatever it knows about the prompt), since its picks are then a uniformly random
-order of exchangeable samples; the gap to "bound" is what only per-sample information or preemption can close. A trace that revisits prompts (`record_traces.py --epochs 2`) is replayed epoch after epoch with the
-engine's per-prompt history carried across calls; the table counts the calls of --eval-epochs only (default: the
+order of exchangeable samples; the gap to "bound" is what only per-sample information or preemption can close. A
+trace that revisits prompts (`record_traces.py --epochs 2`) is replayed epoch after epoch with the engine's
+per-prompt history carried across calls; the table counts the calls of --eval-epochs only (default: the
 last epoch), so the second epoch is scheduled with what the first one taught. With --prefix-mae (needs the SmolLM2
 weights and traces with prefix ids) it also reports the prefix predictor's leave-one-prompt-out mean absolute error
 at each k, and --length_predictor prefix uses those features in the replay.
@@ -41,16 +41,8 @@ class Row:
 
 
 ROWS = [
-    Row("micro_group", "micro_group", "fifo"),
-    Row("fixed_slot", "fixed_slot", "fifo"),
-    Row("dynamic_slot", "dynamic_slot", "fifo"),
-    Row("fptas", "fixed_slot", "fptas"),
-    Row("sjf", "fixed_slot", "sjf"),
-    Row("infinite", "fixed_slot", "infinite"),
-    Row("seer", "fixed_slot", "seer"),
-    Row("lfs", "fixed_slot", "lfs"),
-    Row("lrf", "fixed_slot", "lrf"),
-    Row("lfs_max", "fixed_slot", "lfs_max"),
+    *(Row(mode, mode, "fifo") for mode in ("micro_group", "fixed_slot", "dynamic_slot")),
+    *(Row(name, "fixed_slot", name) for name in ("fptas", "sjf", "infinite", "seer", "lfs", "lrf", "lfs_max")),
     Row("lrf+chunks", "fixed_slot", "lrf", divided=True),
 ]
 ORACLE = Row("oracle", "fixed_slot", "infinite")

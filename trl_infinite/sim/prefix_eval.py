@@ -21,6 +21,8 @@ def features(records: list[TraceRecord], model, ks: list[int], batch: int = 16) 
     """{k: {(prompt_index, sample_idx): hidden [d]}} for samples whose completion has at least k tokens."""
     import torch
 
+    from trl_infinite.engine.decode.step import padded_rows
+
     out: dict[int, dict] = {k: {} for k in ks}
     kmax = max(ks)
     device = next(model.parameters()).device
@@ -30,12 +32,8 @@ def features(records: list[TraceRecord], model, ks: list[int], batch: int = 16) 
         rows = [(j, rec.prompt_ids + p[:kmax]) for j, p in enumerate(rec.prefix_ids)]
         for start in range(0, len(rows), batch):
             part = rows[start : start + batch]
-            width = max(len(r) for _, r in part)
-            ids = torch.zeros(len(part), width, dtype=torch.long)
-            mask = torch.zeros(len(part), width, dtype=torch.long)
-            for i, (_, r) in enumerate(part):
-                ids[i, : len(r)] = torch.tensor(r)
-                mask[i, : len(r)] = 1
+            ids = padded_rows([r for _, r in part], fill=0)
+            mask = padded_rows([[1] * len(r) for _, r in part], fill=0)
             with torch.no_grad():
                 hid = model(input_ids=ids.to(device), attention_mask=mask.to(device),
                             output_hidden_states=True).hidden_states[-1].float().cpu()  # [b, T, d]

@@ -64,14 +64,9 @@ class SimResult:
         return sum(b for b, e in zip(self.bounds, self.epochs) if epochs is None or e in epochs)
 
 
-def step_cost(length: int) -> int:
-    """Decode rows one sample needs: its first token comes from its prompt's prefill, each further one from a row."""
-    return length - 1
-
-
 def oracle_bound(lengths: list[int], slots: int | None) -> int:
     """Lower bound on the decode steps of `slots` continuous slots: max(longest sample, total work / slots)."""
-    costs = [step_cost(x) for x in lengths]
+    costs = [x - 1 for x in lengths]  # the first token comes from the prompt's prefill, each further one a row
     return max(max(costs), -(-sum(costs) // (slots or len(costs))))
 
 
@@ -171,14 +166,8 @@ def _executors(custom: TraceExecutor | None, features: dict | None, prompt_index
     return lambda call: custom or TraceExecutor(call.hidden_predictor, features, prompt_index, step_ms)
 
 
-def simulate(
-    records: list[TraceRecord],
-    config: SimConfig,
-    predictor: LengthPredictor | None = None,
-    features: dict | None = None,
-    history: PromptHistory | None = None,
-    executor_factory=None,
-) -> SimResult:
+def simulate(records: list[TraceRecord], config: SimConfig, predictor: LengthPredictor | None = None,
+             features: dict | None = None, history: PromptHistory | None = None, executor_factory=None) -> SimResult:
     """Run the trace call by call (B prompts each, one epoch per call), each call built as the engine builds it
     (`RolloutCall`); the predictor and the per-prompt history persist across calls, as in training (a trace that
     revisits prompts feeds later epochs the earlier ones). `executor_factory(chunk, index)` (records of the call,

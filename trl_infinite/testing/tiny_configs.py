@@ -13,8 +13,7 @@ import inspect
 
 import torch
 
-from trl_infinite.engine.model.replica import REPLICA_VOCAB
-from trl_infinite.engine.model.replica import shrink_config as _shrink
+from trl_infinite.engine.model.replica import REPLICA_VOCAB, shrink_config
 
 VOCAB = REPLICA_VOCAB
 # size fields by name, passed when the config class accepts them
@@ -55,15 +54,13 @@ OVERRIDES: dict[str, dict] = {
     "lfm3": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "falcon_h1": dict(mamba_d_ssm=64),
-    "zamba": dict(layers_block_type=["mamba", "hybrid"]),
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    **{t: dict(layers_block_type=["mamba", "hybrid"]) for t in ("zamba", "zamba2")},
     "zaya": dict(num_experts_per_tok=1),
     "mamba2": dict(num_heads=8),
     "musicgen": dict(num_codebooks=1), "musicgen_melody": dict(num_codebooks=1),  # one token stream per sequence
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
-    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
-    "gemma4_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
-    "gemma4": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+    **{t: dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
+       for t in ("gemma3n_text", "gemma4_text", "gemma4")},
     "longcat_flash": dict(**_MLA_HEADS, expert_ffn_hidden_size=32, qk_rope_head_dim=8),
     "roc_bert": dict(is_decoder=True, pronunciation_vocab_size=VOCAB, shape_vocab_size=VOCAB),
     "xlm": dict(emb_dim=32),
@@ -77,11 +74,9 @@ OVERRIDES: dict[str, dict] = {
     **{t: dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                   image_size=28, patch_size=14), mm_tokens_per_image=4) for t in ("gemma3",)},
     "xmod": dict(is_decoder=True, default_language="en_XX"),
-    "bert": dict(is_decoder=True), "bert-generation": dict(is_decoder=True), "big_bird": dict(is_decoder=True),
-    "camembert": dict(is_decoder=True), "data2vec-text": dict(is_decoder=True), "electra": dict(is_decoder=True),
-    "ernie": dict(is_decoder=True), "megatron-bert": dict(is_decoder=True), "rembert": dict(is_decoder=True),
-    "roberta": dict(is_decoder=True), "roberta-prelayernorm": dict(is_decoder=True),
-    "roformer": dict(is_decoder=True), "xlm-roberta": dict(is_decoder=True), "xlm-roberta-xl": dict(is_decoder=True),
+    **{t: dict(is_decoder=True) for t in ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text",
+                                          "electra", "ernie", "megatron-bert", "rembert", "roberta",
+                                          "roberta-prelayernorm", "roformer", "xlm-roberta", "xlm-roberta-xl")},
 }
 
 
@@ -145,19 +140,11 @@ def count_params(model_cls, config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def shrink_config(config):
-    """`config` with every integer size field whose name says it is a vocabulary, head count, layer count, expert
-    count, window or width capped at the tiny sizes (`engine.replica.SHRINK_RULES`, shared with the support
-    contract's float32 replica), sub-configs included, rebuilt through the config class so that its
-    `__post_init__` derives the rest. For configs whose own fields `SIZES` does not name (e.g. Inkling2's
-    `swa_num_attention_heads` and `unpadded_vocab_size`)."""
-    return _shrink(config)
-
-
 def build_tiny_model(model_type: str, seed: int = 0, max_params: int = 6_000_000, size: dict | None = None,
                      **overrides) -> torch.nn.Module:
     """A float32 random-weight causal LM of `model_type` in eval mode. A config over `max_params` after `SIZES` is
-    shrunk generically (`shrink_config`, then `overrides` again); ValueError if it is still over."""
+    shrunk generically (the float32 replica's `shrink_config`, for fields `SIZES` does not name, e.g. Inkling2's
+    `swa_num_attention_heads`; then `overrides` again); ValueError if it is still over."""
     config = tiny_config(model_type, size, **overrides)
     model_cls = causal_lm_class(model_type)
     n = count_params(model_cls, config)

@@ -117,15 +117,9 @@ def _lora_switch(model: nn.Module, seed: int) -> None:
 
 ROUTES: dict[str, Route] = {
     "adamw_fused": _step(torch.optim.AdamW, lr=0.5, fused=True),
-    "adamw_foreach": _step(torch.optim.AdamW, lr=0.5, foreach=True),
-    "sgd": _step(torch.optim.SGD, lr=0.5),
-    "data_copy": _data_copy,
-    "foreach_add": _foreach_add,
-    "inplace": _inplace,
-    "inference_copy": _inference_copy,
-    "inference_load": _inference_load,
-    "lora_toggle": _lora_toggle,
-    "lora_switch": _lora_switch,
+    "adamw_foreach": _step(torch.optim.AdamW, lr=0.5, foreach=True), "sgd": _step(torch.optim.SGD, lr=0.5),
+    "data_copy": _data_copy, "foreach_add": _foreach_add, "inplace": _inplace, "inference_copy": _inference_copy,
+    "inference_load": _inference_load, "lora_toggle": _lora_toggle, "lora_switch": _lora_switch,
 }
 SEEN = {"adamw_fused": False, "adamw_foreach": True, "sgd": True, "data_copy": False, "foreach_add": True,
         "inplace": True, "inference_copy": False, "inference_load": True, "lora_toggle": True, "lora_switch": True}

@@ -40,13 +40,6 @@ def compile_supported(version: str | None = None) -> bool:
     return TorchVersion(version or torch.__version__) >= COMPILE_MIN_TORCH
 
 
-def _is_module(value) -> bool:
-    """An `nn.Module` (torch imported only where a non-path value was given)."""
-    import torch
-
-    return isinstance(value, torch.nn.Module)
-
-
 @dataclass(frozen=True)
 class KVCacheConfig(Section):
     """The KV budget: a token count (`tokens`) or gigabytes (`gb`); with neither, `fraction` of the free accelerator
@@ -211,11 +204,13 @@ class SpeculativeConfig(Section):
                              f"got {self.draft_window!r}.")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("`speculative_method='draft_model'` needs `speculative_draft_model` (a path or module).")
-        if self.draft_model is not None and not isinstance(self.draft_model, (str, os.PathLike)) and \
-                not _is_module(self.draft_model):
-            raise ValueError("`speculative_draft_model` must be a `torch.nn.Module`, a local path or a Hub model id "
-                             f"(str / os.PathLike) or None, got {type(self.draft_model).__name__} "
-                             f"{self.draft_model!r:.60}.")
+        if self.draft_model is not None and not isinstance(self.draft_model, (str, os.PathLike)):
+            import torch  # only where a non-path value was given
+
+            if not isinstance(self.draft_model, torch.nn.Module):
+                raise ValueError("`speculative_draft_model` must be a `torch.nn.Module`, a local path or a Hub model "
+                                 f"id (str / os.PathLike) or None, got {type(self.draft_model).__name__} "
+                                 f"{self.draft_model!r:.60}.")
 
 
 @dataclass(frozen=True)

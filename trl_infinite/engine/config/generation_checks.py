@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numbers
 
+from trl_infinite.engine.config.inputs import is_int as _is_id
+
 # keys holding token ids a logits processor indexes the scores with: a single id, a list of ids, a list of id lists,
 # or `sequence_bias`'s (ids, bias) pairs (`pad_token_id` / `bos_token_id` only pad or start `generate`'s batches, and
 # some models' generation configs set them outside the vocabulary: left as they are)
@@ -21,10 +23,6 @@ ID_LIST_KEYS = ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens
 ID_LISTS_KEYS = ("bad_words_ids",)
 # keys that change nothing (or fail) without an EOS id: their companion
 NEEDS_EOS = ("exponential_decay_length_penalty",)
-
-
-def _is_id(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _ids_of(key: str, value) -> list:

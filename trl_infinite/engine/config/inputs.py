@@ -34,7 +34,8 @@ def text_config(model_or_config):
         return config
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An integer (Python or numpy), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -44,10 +45,10 @@ def _array_to_list(value, name: str):
         return value
     torch = sys.modules.get("torch")  # a tensor means torch is imported; this module does not import it
     if torch is not None and isinstance(value, torch.Tensor):
-        is_int = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
+        integral = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
     else:  # numpy: signed / unsigned integer kinds
-        is_int = getattr(value.dtype, "kind", None) in ("i", "u")
-    if not is_int:
+        integral = getattr(value.dtype, "kind", None) in ("i", "u")
+    if not integral:
         raise ValueError(f"`{name}` must hold integer token ids, got an array of dtype {value.dtype}.")
     return value.tolist()
 
@@ -64,7 +65,7 @@ def _int_rows(value, name: str) -> list[list[int]]:
         if not isinstance(row, (list, tuple)):
             raise ValueError(f"`{name}[{i}]` must be a list of int token ids, got {type(row).__name__} {row!r:.60}.")
         for j, t in enumerate(row):
-            if not _is_int(t):
+            if not is_int(t):
                 raise ValueError(f"`{name}[{i}][{j}]` must be an int token id, got {type(t).__name__} {t!r}.")
         rows.append([int(t) for t in row])
     return rows
@@ -117,13 +118,13 @@ def eos_list(value) -> list[int]:
         return []
     if hasattr(value, "tolist") and hasattr(value, "dtype"):
         value = value.tolist()
-    if _is_int(value):
+    if is_int(value):
         return [int(value)]
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ValueError(f"`eos_token_ids` must be an int or a list of int token ids, got {type(value).__name__} "
                          f"{value!r:.60}; pass the tokenizer's `eos_token_id`.")
     for t in value:
-        if not _is_int(t):
+        if not is_int(t):
             raise ValueError(f"`eos_token_ids` must hold int token ids, got {type(t).__name__} {t!r}.")
         if t < 0:
             raise ValueError(f"`eos_token_ids` must hold token ids >= 0, got {t}.")

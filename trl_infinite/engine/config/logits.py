@@ -22,27 +22,15 @@ from collections import defaultdict
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from trl_infinite.engine.config.generation_checks import check_generation_ids
 
 # `SamplingParams` fields (the fast path) and the processors `generate` builds from them
 COMMON_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
-COMMON_PROCESSORS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-)
+COMMON_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+                     lp.RepetitionPenaltyLogitsProcessor)
 # set through other `SamplingParams` fields (`eos_token_ids`, `max_new_tokens`) or bookkeeping of the config itself
 RESERVED_KEYS = ("eos_token_id", "max_new_tokens", "max_length", "transformers_version", "_from_model_config")
 _DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -116,11 +104,9 @@ def split_generation_config(config: GenerationConfig) -> tuple[dict, dict]:
     }
     known = generation_config_keys()
     defaults = GenerationConfig._get_default_generation_params()  # what `generate` uses for unset keys: no-ops
-    extra = {
-        k: v
-        for k, v in config.to_diff_dict().items()
-        if k in known and k not in COMMON_KEYS and k not in RESERVED_KEYS and not (k in defaults and defaults[k] == v)
-    }
+    skip = (*COMMON_KEYS, *RESERVED_KEYS)
+    extra = {k: v for k, v in config.to_diff_dict().items()
+             if k in known and k not in skip and not (k in defaults and defaults[k] == v)}
     return common, extra
 
 
@@ -149,7 +135,7 @@ class GenerationProcessors:
         self.model, self.params, self.device = model, params, device
         self.max_new = params.max_new_tokens if max_new is None else max_new
         self.config = generation_config_of(params)
-        self._by_prompt_len: dict[int, LogitsProcessorList] = {}
+        self._by_prompt_len: dict[int, lp.LogitsProcessorList] = {}
         probe = self.for_prompt(1)
         stateful = [type(p).__name__ for p in probe if type(p).__name__ in _STATEFUL_PROCESSORS]
         if stateful:
@@ -170,14 +156,13 @@ class GenerationProcessors:
             processors.for_prompt(n)
         return processors
 
-    def for_prompt(self, prompt_len: int) -> LogitsProcessorList:
+    def for_prompt(self, prompt_len: int) -> lp.LogitsProcessorList:
         """The processors `generate` builds for one prompt of `prompt_len` tokens (cached per length)."""
         procs = self._by_prompt_len.get(prompt_len)
         if procs is None:
             config = copy.deepcopy(self.config)
-            max_new = self.max_new
-            if max_new is not None:
-                config.max_length = prompt_len + max_new
+            if self.max_new is not None:
+                config.max_length = prompt_len + self.max_new
             if config.min_new_tokens is not None:  # as `generate`'s `_prepare_generated_length`
                 config.min_length = config.min_new_tokens + prompt_len
             self.model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=self.device)

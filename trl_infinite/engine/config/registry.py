@@ -82,29 +82,22 @@ SAMPLING_MODES: Registry[type] = Registry("sampling_mode", {
 })
 # `SchedulePolicy` classes, `cls(config: SchedulingConfig, predictor: LengthPredictor, slot_limit: int | None)`:
 # which pending sample takes a free slot
-SCHEDULERS: Registry[type] = Registry("scheduler", {
-    "fifo": f"{_POLICIES}.ordering",
-    **{name: f"{_POLICIES}.length_aware" for name in ("sjf", "lfs", "fptas", "infinite", "seer", "lrf", "lfs_max")},
-})
+SCHEDULERS: Registry[type] = Registry("scheduler", {"fifo": f"{_POLICIES}.ordering", **{
+    name: f"{_POLICIES}.length_aware" for name in ("sjf", "lfs", "fptas", "infinite", "seer", "lrf", "lfs_max")}})
 # `AdmissionPolicy` classes, `cls(config: SchedulingConfig)`: how many samples run at once
-BATCH_POLICIES: Registry[type] = Registry("batch_policy", {
-    name: f"{_POLICIES}.admission" for name in ("static", "memory", "sla")
-})
+BATCH_POLICIES: Registry[type] = Registry("batch_policy",
+                                          {name: f"{_POLICIES}.admission" for name in ("static", "memory", "sla")})
 # `LengthPredictor` classes, `cls(config: SchedulingConfig, history: PromptHistory | None)`: the length-aware
 # schedulers' predictor (one per engine: it learns across calls)
 PREDICTORS: Registry[type] = Registry("length_predictor", {
     **{name: f"{_PREDICTORS}.base" for name in ("none", "oracle", "group", "prefix")},
-    "history": f"{_PREDICTORS}.history",
-})
+    "history": f"{_PREDICTORS}.history"})
 # `Drafter` classes, `cls(config: SpeculativeConfig, context: DraftContext)` (one per `generate` call)
 DRAFTERS: Registry[type] = Registry("speculative_method", {
-    "suffix": f"{_SPEC}.suffix", "ngram": f"{_SPEC}.ngram", "draft_model": f"{_SPEC}.draft_model",
-    "best_of_n": f"{_SPEC}.best_of_n",
-})
+    name: f"{_SPEC}.{name}" for name in ("suffix", "ngram", "draft_model", "best_of_n")})
 # `attention.backends.AttentionBackend` values (a pair of stateless functions, no options: looked up, not built)
 ATTENTION_BACKENDS: Registry = Registry("attention_backend", {
-    "torch": f"{_ENGINE}.attention.backends", "triton": f"{_ENGINE}.attention.triton_backend",
-})
+    "torch": f"{_ENGINE}.attention.backends", "triton": f"{_ENGINE}.attention.triton_backend"})
 
 register_sampling_mode = SAMPLING_MODES.register
 register_scheduler = SCHEDULERS.register

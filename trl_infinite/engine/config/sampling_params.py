@@ -63,31 +63,24 @@ class SamplingParams:
         self._check_generation_kwargs()
 
     def _check_generation_kwargs(self) -> None:
+        import trl_infinite.engine.config.logits as logits
         from trl_infinite.engine.config.generation_checks import check_generation_values
-        from trl_infinite.engine.config.logits import (
-            COMMON_KEYS,
-            RESERVED_KEYS,
-            generation_config_keys,
-            generation_config_of,
-            ignored_generation_keys,
-            unsupported_generation_keys,
-        )
 
         if not isinstance(self.generation_kwargs, dict):
             raise ValueError(f"`generation_kwargs` must be a dict, got {type(self.generation_kwargs).__name__}.")
-        fields_ = sorted(k for k in self.generation_kwargs if k in COMMON_KEYS or k in RESERVED_KEYS)
+        fields_ = sorted(k for k in self.generation_kwargs if k in logits.COMMON_KEYS or k in logits.RESERVED_KEYS)
         if fields_:
             raise ValueError(f"`generation_kwargs` keys {fields_} are `SamplingParams` fields: set the fields instead "
                              "(`eos_token_ids` for `eos_token_id`, `max_new_tokens` for `max_length`).")
-        unknown = sorted(set(self.generation_kwargs) - generation_config_keys())
+        unknown = sorted(set(self.generation_kwargs) - logits.generation_config_keys())
         if unknown:
             raise ValueError(f"`generation_kwargs` keys {unknown} are not `transformers.GenerationConfig` keys.")
-        bad = unsupported_generation_keys(generation_config_of(self))
+        bad = logits.unsupported_generation_keys(logits.generation_config_of(self))
         if bad:
             raise ValueError(f"`generation_kwargs` keys {bad} need a decoding algorithm other than sampling or greedy "
                              "search (or change what `generate` returns); the rollout engine cannot run them.")
         check_generation_values(self.generation_kwargs, self.eos_token_ids)
-        ignored = ignored_generation_keys(self.generation_kwargs)
+        ignored = logits.ignored_generation_keys(self.generation_kwargs)
         if ignored:
             warnings.warn(f"`generation_kwargs` keys {ignored} configure `generate`'s own KV cache, compilation or "
                           "returned extras; the rollout engine has its own (its paged KV pool, `EngineConfig.compile`) "

@@ -117,9 +117,8 @@ class SchedulingConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()  # registry names only: the plug-ins are imported when the engine builds them
         if self.max_active_sequences is None and SAMPLING_MODES.get_or_raise(self.sampling_mode).uses_slots:
-            raise ValueError(
-                f"`max_active_sequences` must be a positive integer for sampling_mode={self.sampling_mode!r}."
-            )
+            raise ValueError("`max_active_sequences` must be a positive integer for "
+                             f"sampling_mode={self.sampling_mode!r}.")
         if isinstance(self.length_predictor, str) or not callable(self.length_predictor):
             choice("length_predictor", self.length_predictor, PREDICTORS)
         if self.batch_policy == "sla":

@@ -153,7 +153,8 @@ class _Recorder(TorchDispatchMode):
         if func in _UPLOAD_OPS and args[0].dim() > 0:  # a 0-dim one is a host scalar (`x[i] = 0`): a constant
             raise self.refuse("host_upload", "a tensor is built from host data inside the capture "
                               "(`torch.tensor([...])`): build it once outside the step")
-        if func in _INDEX_PUTS and self._is_host_scalar(args[2]):
+        scalar = self._host_scalars.get(id(args[2])) if func in _INDEX_PUTS else None
+        if scalar is not None and scalar() is args[2]:
             # `x[index_tensors] = 0` (not `x[i] = 0`): CUDA's index_put_ copies the host scalar to the device
             raise self.refuse("host_upload", "`x[index_tensors] = scalar` copies the host scalar to the device "
                               "inside the capture: use `scatter_` / `index_fill_` / `masked_fill_` with the scalar")
@@ -171,10 +172,6 @@ class _Recorder(TorchDispatchMode):
             raise self.refuse("dynamic_shape", f"{name} without `output_size` has a data-dependent shape")
         if torch.Tag.dynamic_output_shape in func.tags:
             raise self.refuse("dynamic_shape", f"{name} has a data-dependent output shape")
-
-    def _is_host_scalar(self, t) -> bool:
-        ref = self._host_scalars.get(id(t))
-        return ref is not None and ref() is t
 
     def _save_outside_writes(self, func, args, kwargs) -> None:
         """Keep the value of every pre-existing tensor this op writes, to put it back after the capture."""

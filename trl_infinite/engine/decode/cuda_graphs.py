@@ -1,6 +1,6 @@
 """CUDA graphs of the static decode step: what the decoder needs from a graph implementation, and the CUDA one.
 
-`StaticDecoder` (`static_decode.py`) captures one graph per batch bucket through a `GraphRuntime`:
+`StaticDecoder` (`static.py`) captures one graph per batch bucket through a `GraphRuntime`:
 - `warmup(fn)` runs `fn` for real before its first capture (Triton JIT and autotuning, cuBLAS workspaces,
   `torch.compile`), on the runtime's side stream;
 - `capture(fn)` records `fn` into a graph whose memory comes from the runtime's one private pool (shared by every
@@ -9,9 +9,9 @@
 - `pool_memory()` is the pool's own size (`PoolMemory`), read from the allocator, not from a before/after delta.
 
 `CudaGraphs` is the CUDA implementation (as vLLM's and SGLang's graph runners: one side stream for every warm-up
-and capture, one pool). `graph_emulation.GraphEmulator` is a CPU stand-in with the same interface that refuses what
+and capture, one pool). `cpu_graphs.GraphEmulator` is a CPU stand-in with the same interface that refuses what
 a capture refuses, so every capture/replay rule of the decoder runs in CI; `graph_runtime(device)` picks the one to
-use (the emulator only while `graph_emulation.emulate_cuda_graphs()` is active).
+use (the emulator only while `cpu_graphs.emulate_cuda_graphs()` is active).
 
 A capture fails with `CaptureError` (the emulator) or a CUDA `RuntimeError` mentioning the capture; `is_capture_error`
 tells both apart from other failures, so the decoder can fall back to uncaptured steps with a warning.
@@ -30,7 +30,7 @@ from trl_infinite.engine.decode.compiled import StepCompileError
 
 
 class CaptureError(RuntimeError):
-    """Something a graph cannot record ran inside a capture; `kind` names the rule (see `graph_emulation`)."""
+    """Something a graph cannot record ran inside a capture; `kind` names the rule (see `cpu_graphs`)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(f"{kind}: {message}")
@@ -121,7 +121,7 @@ class CudaGraphs:
 # runs. Captures happen on a bucket's first use, so in steady state the lock is never contended.
 capture_lock = threading.Lock()
 
-_emulator: GraphRuntime | None = None  # set by `graph_emulation.emulate_cuda_graphs` for its block
+_emulator: GraphRuntime | None = None  # set by `cpu_graphs.emulate_cuda_graphs` for its block
 
 
 def set_emulator(runtime: GraphRuntime | None) -> GraphRuntime | None:

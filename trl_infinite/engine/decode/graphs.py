@@ -1,6 +1,6 @@
 """The decode step's CUDA graphs: one per step key (batch bucket, table widths, group slots), captured on first use.
 
-Rules (each one exercised in CI through `graph_emulation`):
+Rules (each one exercised in CI through `cpu_graphs`):
 - the warm-up before a capture runs the step for real without side effects: on copies of what the step advances
   (input tokens and positions, seen marks) and with the KV pool slots it writes saved and restored, so the replay
   after the capture is the rows' real next step;
@@ -116,8 +116,7 @@ class StepGraphs:
 
     def _warm_up(self, args: Args, run: Callable[[Args], Any]) -> None:
         """Run the step twice for real (Triton JIT and autotuning, cuBLAS workspaces, compilation) free of side
-        effects: on copies of what it advances (each run its own, same strides) and with the pool slots it writes
-        (each row's current position) saved before and put back after."""
+        effects (module docstring): each run on its own copies, same strides."""
         slots = decode_metadata(args.inputs[1], args.prompt_len, args.prefix_table, args.suffix_table, args.group,
                                 self.block_size).slot_mapping  # [N]
         pool = self.pool

@@ -102,7 +102,6 @@ class DecodeRows:
                    self.group_slot]
         return tensors + ([self.seen] if self.seen is not None else [])
 
-    # ------------------------------------------------------------------ one step
     def update(self, seqs: list[Sequence], grown: list[Sequence] = (), rebuilt: list[Sequence] = ()) -> list[int]:
         """Make rows `0 .. len(seqs)-1` hold exactly `seqs`; returns each sample's row (in `seqs` order).
         `grown`: samples whose own block list the scheduler extended this step; `rebuilt`: samples whose KV was
@@ -156,13 +155,8 @@ class DecodeRows:
                 self._row_slot[h] = self._row_slot[mv]
                 self.row_of[self.seqs[h].seq_id] = h
         del self.seqs[m:], self._written[m:], self._prompt_n[m:], self._row_slot[m:]
-        self.inputs[:, m:n] = 0
-        self.prompt_len[m:n] = 0
-        self.group[m:n] = -1
-        self.sample[m:n] = 0
-        self.prefix_table[m:n] = self.null_block
-        self.suffix_table[m:n] = self.null_block
-        self.group_slot[m:n] = 0
+        for t, fill in zip(self._state(), (0, 0, -1, 0, self.null_block, self.null_block, 0)):  # `seen` stays
+            t[m:n] = fill
 
     def _join(self, joiners: list[Sequence]) -> None:
         """Write every piece of state of new rows (one upload per tensor)."""

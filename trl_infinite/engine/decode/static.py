@@ -121,7 +121,6 @@ class StaticDecoder(DecodeStep):
                        if compile_backend == "inductor" and self.device.type == "cpu" else None)
             self._compiled = CompiledStep(self._step, compile_backend, options)
 
-    # ------------------------------------------------------------------ per call
     def begin(self, ctx: StepContext, capacity: int, prompt_blocks: int, own_blocks: int) -> None:
         """Prepare for one `generate` call: the rows' capacity and table widths, and from `ctx` the sampler, the seed,
         the stats and whether hidden states are wanted (`ctx.predictor`)."""
@@ -184,7 +183,6 @@ class StaticDecoder(DecodeStep):
         if self.rows is not None:
             self.rows.clear()
 
-    # ------------------------------------------------------------------ one step
     def launch(self, batch: ScheduledBatch) -> Pending:
         """Start one decode step over `batch.decode` (one token per sample); returns the function that waits for it.
         On CUDA the step runs asynchronously between the two calls (the host is free, e.g. to score rewards), and
@@ -192,7 +190,7 @@ class StaticDecoder(DecodeStep):
         the read-back to `stats.host_time_s`, the forward's (up to the read-back) to `stats.decode_forward_s`."""
         t0 = time.perf_counter()
         stats = self.stats
-        row_of = self.rows.update(batch.decode, batch.grown, batch.rebuilt)
+        row_of = self.rows.update(batch.decode, batch.grown, batch.readmitted)
         n = len(row_of)
         padded = next(b for b in bucket_sizes(self.rows.capacity, self.runner.row_multiple) if b >= n)
         captured = self.graphs is not None and self.graphs.covers(padded)
@@ -204,8 +202,7 @@ class StaticDecoder(DecodeStep):
             out = self.graphs.replay(key, x, self._run, partial(self._run, capture=True))
             stats.graph_captures += self.graphs.captures - before
         if out is None:
-            with self.runner.routed():
-                out = self._step(x) if self._compiled is None else self._compiled(self._compile_key(x), x)
+            out = self._run(x)
         packed, hidden = out  # [padded, 2 or 3] float64
         read = ReadBack(packed, non_blocking=True)
         t2 = time.perf_counter()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -68,10 +69,7 @@ class ReservedRange:
         """A tensor over part `part` from `offset` bytes into it (a multiple of the dtype's size; index only what is
         mapped)."""
         start = self.offsets[part] + offset
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offset + nbytes > self.sizes[part]:
             raise ValueError(f"a {shape} {dtype} tensor at {offset} needs {offset + nbytes} bytes; part {part} holds "
                              f"{self.sizes[part]}.")
@@ -109,8 +107,7 @@ class ReservedRange:
 
 
 class HostReservedRange(ReservedRange):
-    """CPU: an anonymous mapping reserved without swap accounting; pages come on first touch (zeroed) and go back
-    with `madvise(MADV_DONTNEED)`."""
+    """CPU: an anonymous mapping reserved without swap accounting (see the module docstring)."""
 
     granularity = mmap.PAGESIZE
 

@@ -50,7 +50,6 @@ class KVCachePool:
         self._views: list[torch.Tensor] = []  # K tensors then V tensors over the whole reserved range
         self._capacity = 0  # usable blocks the reserved range holds
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
-        self.num_layers = self.layout.num_layers
         self.block_size = config.block_size
         self.dtype = dtype
         self.device = device
@@ -186,10 +185,7 @@ class KVCachePool:
         # One allocation carved into per-layer views: freed as a whole (on CPU a block this large is its own mapping,
         # given back to the OS at once; many per-layer tensors would stay in the heap and fragment it)
         storage = torch.zeros(sum(s * h * d for s, h, d in shapes), dtype=self.dtype, device=self.device)
-        views, offset = [], 0
-        for s, h, d in shapes:
-            views.append(storage[offset : offset + s * h * d].view(s, h, d))
-            offset += s * h * d
+        views = [t.view(shape) for t, shape in zip(storage.split([s * h * d for s, h, d in shapes]), shapes)]
         self.k_caches, self.v_caches = views[: lay.num_layers], views[lay.num_layers :]
         self.allocator = BlockAllocator(usable_blocks, self.block_size, self.prefix_cache)
 
@@ -221,10 +217,9 @@ class KVCachePool:
         if n < 2:
             draft = (f", {self.companion_block_bytes} of them the draft model's pool (`speculative_draft_model`)"
                      if self.companion_block_bytes else "")
-            raise ValueError(
-                f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, "
-                f"{self.budget_block_bytes} bytes each{draft}; one is the null block of padded decode rows); raise it."
-            )
+            raise ValueError(f"`{field}` gives a KV pool of less than two blocks ({self.block_size} tokens, "
+                             f"{self.budget_block_bytes} bytes each{draft}; one is the null block of padded decode "
+                             "rows); raise it.")
         return n
 
     def _rounding_bytes(self) -> int:

@@ -10,7 +10,7 @@ the tiny test models, 1 to 260 rows), a row's product is bit-identical whatever 
 a multiple of 4 (`tests/engine/decode/test_row_invariance.py` pins it). So on CPU every forward runs a multiple of 4 rows:
 `forward` adds one-token padding segments that write the pool's null block, and the logits kept (`logits_to_keep`)
 are padded the same way; the static decode step pads its rows to buckets that are multiples of 4
-(`static_decode.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
+(`decode.static.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
 (one (row, head) per work item); the verification forward runs its query tokens as decode rows of their own
 (`spec_decode/step.py`), so it goes through the same kernel as the plain step.
 """
@@ -19,19 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from trl_infinite.engine.attention import (
-    LayerSpec,
-    PagedAttentionMetadata,
-    PagedContext,
-    Segment,
-    attention_configs,
-    build_metadata,
-    cpu_decode,
-    paged_attention,
-    resolve_backend,
-    temperature_tuned,
-    torch_paged_attention,
-)
+import trl_infinite.engine.attention as attention
+from trl_infinite.engine.attention import LayerSpec, Segment, cpu_decode
 from trl_infinite.engine.runner.kv_layout import KVLayout
 from trl_infinite.engine.runner.kv_pool import KVCachePool
 from trl_infinite.engine.sched.sequence import Sequence
@@ -48,7 +37,8 @@ def decode_kernel_serves(device: torch.device, attention_backend: str, layers: d
                          dtype: torch.dtype) -> bool:
     """Whether the C++ CPU decode kernel would serve at least one layer of a model: CPU, the torch backend, and a
     layer `cpu_decode.serves` (float32 pool, plain softmax, head dims of the vector width). Builds nothing."""
-    return (device.type == "cpu" and resolve_backend(attention_backend, device).attend is torch_paged_attention
+    return (device.type == "cpu"
+            and attention.resolve_backend(attention_backend, device).attend is attention.torch_paged_attention
             and any(cpu_decode.serves(spec, kv.k_dims[spec.pool_index], kv.v_dims[spec.pool_index], dtype)
                     for spec in layers.values()))
 
@@ -67,7 +57,7 @@ class ModelRunner:
         self.capture_models = capture_models
         self.pool = pool
         self.device = pool.device
-        self.backend = resolve_backend(attention_backend, self.device)
+        self.backend = attention.resolve_backend(attention_backend, self.device)
         self.attend = self.backend.attend
         # every layer's decode attention is the kernel's (none falls back to the torch path)
         self.decode_kernel_everywhere = False
@@ -87,40 +77,30 @@ class ModelRunner:
         self.layers = layers
         # the distinct mask patterns (sliding window, chunk) of the layers: their masks are built once per forward
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
-        self.attn_configs = attention_configs(model)
-        self.temperature_tuned = temperature_tuned(model)  # Llama 4's NoPE layers: scaled by position
+        self.attn_configs = attention.attention_configs(model)
+        self.temperature_tuned = attention.temperature_tuned(model)  # Llama 4's NoPE layers: scaled by position
         # CPU: every forward at a multiple of `ROW_MULTIPLE` rows, verification as decode rows (module docstring)
         self.row_multiple = ROW_MULTIPLE if self.device.type == "cpu" else 1
 
     def routed(self):
         """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
-        return paged_attention(self.model, self.attn_configs, self.temperature_tuned)
+        return attention.paged_attention(self.model, self.attn_configs, self.temperature_tuned)
 
-    def run(
-        self,
-        input_ids: torch.Tensor,  # [1, T]
-        positions: torch.Tensor,  # [1, T]
-        meta: PagedAttentionMetadata,
-        logits_to_keep: torch.Tensor | int,  # [R] query indices whose logits are needed, or 0 for all
-        output_hidden: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: attention.PagedAttentionMetadata,
+            logits_to_keep: torch.Tensor | int, output_hidden: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`input_ids`, `positions`: [1, T]; `logits_to_keep`: [R] query indices whose logits are needed, or 0 for
+        all. Logits [R, V] (and the last hidden states [R, hidden] when `output_hidden`). Call inside `routed()`.
         Device tensors in, device tensors out: nothing here syncs with the host, so it can be compiled/captured."""
         meta = self.backend.prepare(meta, self.mask_keys)
-        ctx = PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.attend, self.layers)
+        ctx = attention.PagedContext(self.pool.k_caches, self.pool.v_caches, meta, self.attend, self.layers)
         keep = isinstance(logits_to_keep, torch.Tensor)
         num_keep = logits_to_keep.shape[0] if keep else 0
         if keep and num_keep % self.row_multiple:  # the LM head at a row-invariant count (module docstring)
             pad = padded_count(num_keep, self.row_multiple) - num_keep
             logits_to_keep = torch.cat([logits_to_keep, logits_to_keep[-1:].expand(pad)])
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=False,
-            paged_ctx=ctx,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=output_hidden,
-        )
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, paged_ctx=ctx,
+                         logits_to_keep=logits_to_keep, output_hidden_states=output_hidden)
         logits = out.logits[0]
         if keep and logits.shape[0] != logits_to_keep.shape[0]:  # a model that ignores `logits_to_keep`
             logits = logits[logits_to_keep]
@@ -138,7 +118,7 @@ class ModelRunner:
         if num_tokens % self.row_multiple:
             pad = Segment(0, [], [self.pool.null_block], 0, [0], -1)
             segments = segments + [pad] * (padded_count(num_tokens, self.row_multiple) - num_tokens)
-        input_ids, positions, meta = build_metadata(segments, self.pool.block_size, self.device)
+        input_ids, positions, meta = attention.build_metadata(segments, self.pool.block_size, self.device)
         with self.routed():
             return self.run(input_ids, positions, meta, logit_rows.to(self.device), output_hidden)
 

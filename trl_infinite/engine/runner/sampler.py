@@ -5,8 +5,7 @@ warpers are transformers' own classes); with any other `GenerationConfig` key in
 the whole processor list `generate` builds runs instead, row by row (`engine/config/logits.py`). A draw is an inverse-CDF
 lookup: with the row's cumulative probabilities `c_v = sum_{w <= v} p_w` and one uniform `U`, the token is the
 first `v` with `c_v > U * c_V`, an exact draw from `p` (zero-probability tokens are never hit: their `c_v` does not
-rise). It runs in two levels so that the whole row is read only twice (exp, then float64 block sums): the block is
-found on the cumulative block sums, the token on the cumulative sums inside that block; no host sync, static shapes.
+rise), in two levels with no host sync and static shapes (`categorical`).
 
 Every uniform is a pure function of (seed, prompt index, sample index, position, stream), a counter-based
 generator: the same seed gives the same sample whatever the batch composition, the sampling mode or the scheduler,
@@ -17,13 +16,7 @@ the same tokens (`spec_decode/verify.py`). `seed` is an integer in [0, 2**64): d
 from __future__ import annotations
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import logits_process as lp
 
 from trl_infinite.engine.config.engine_config import SamplingParams
 from trl_infinite.engine.config.logits import GenerationProcessors
@@ -63,8 +56,8 @@ def seed_base(seed: int, stream: int = STREAM_SAMPLE) -> int:
     return _signed(seed * 0x9E3779B97F4A7C15 + stream + 1)
 
 
-def row_keys(seed, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor, stream: int = 0,
-             ) -> torch.Tensor:
+def row_keys(seed, group_ids: torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor,
+             stream: int = 0) -> torch.Tensor:
     """One int64 key per row from (seed, prompt, sample, position, stream). All inputs [N] int64. `seed` is an int,
     or a 0-d int64 tensor holding `seed_base(seed, stream)` (then `stream` is already folded in)."""
     if isinstance(seed, torch.Tensor):
@@ -150,14 +143,14 @@ class Sampler:
         warpers = []
         if not params.greedy:
             if params.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(params.temperature))
+                warpers.append(lp.TemperatureLogitsWarper(params.temperature))
             if params.top_k:
-                warpers.append(TopKLogitsWarper(top_k=params.top_k))
+                warpers.append(lp.TopKLogitsWarper(top_k=params.top_k))
             if params.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(top_p=params.top_p))
+                warpers.append(lp.TopPLogitsWarper(top_p=params.top_p))
             if params.min_p > 0.0:
-                warpers.append(MinPLogitsWarper(min_p=params.min_p))
-        self.warpers = LogitsProcessorList(warpers)
+                warpers.append(lp.MinPLogitsWarper(min_p=params.min_p))
+        self.warpers = lp.LogitsProcessorList(warpers)
         self.raw_temperature = params.raw_logprobs_temperature
         # the raw log-probs are the processed ones when nothing but the same temperature processes the logits
         self._raw_is_processed = (

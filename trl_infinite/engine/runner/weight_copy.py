@@ -49,14 +49,9 @@ HALF = (torch.bfloat16, torch.float16)
 
 def _cast_types() -> tuple[type, ...]:
     """Module types whose forward is one autocast-cast op on their weight and bias (and nothing else)."""
-    types: list[type] = [nn.Linear]
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-    else:
-        types.append(Conv1D)
-    return tuple(types)
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
 
 
 def _dora_bases(model: nn.Module) -> set[int]:
@@ -117,7 +112,6 @@ class WeightCopy:
         copy = cls(model, autocast, stable)
         return copy if copy.targets else None
 
-    # ------------------------------------------------------------------ memory
     @property
     def params(self) -> list[nn.Parameter]:
         """The distinct float32 Parameters copied."""
@@ -140,7 +134,6 @@ class WeightCopy:
         """Bytes the next `refresh` allocates (0 while the copy is held): the KV budget's reserve for it."""
         return 0 if self.allocated else self.nbytes
 
-    # ------------------------------------------------------------------ lifetime
     def _weights_fingerprint(self) -> tuple:
         return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.params)
 
@@ -152,18 +145,15 @@ class WeightCopy:
         if self.allocated and fingerprint == self._fingerprint:
             return
         with torch.no_grad():
-            if self.stable and self._reserved_copies():
-                self._fingerprint = fingerprint
-                self.refreshes += 1
-                return
-            for p in self.params:
-                held = self._copies.get(id(p))
-                if held is None or held.shape != p.shape or held.device != p.device:
-                    self._copies[id(p)] = p.detach().to(self.dtype)
-                else:
-                    held.copy_(p.detach())
-            live = {id(p) for p in self.params}
-            self._copies = {k: t for k, t in self._copies.items() if k in live}
+            if not (self.stable and self._reserved_copies()):
+                for p in self.params:
+                    held = self._copies.get(id(p))
+                    if held is None or held.shape != p.shape or held.device != p.device:
+                        self._copies[id(p)] = p.detach().to(self.dtype)
+                    else:
+                        held.copy_(p.detach())
+                live = {id(p) for p in self.params}
+                self._copies = {k: t for k, t in self._copies.items() if k in live}
         self._fingerprint = fingerprint
         self.refreshes += 1
 
@@ -232,18 +222,12 @@ class WeightCopy:
         return list(self._copies.values())
 
 
-def probe_ids(vocab_size: int, device: torch.device, length: int = 12) -> torch.Tensor:
-    """A fixed token sequence for `check_exact` (the same on every run)."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, length), generator=gen).to(device)
-
-
 def check_exact(copy: WeightCopy, vocab_size: int, device: torch.device) -> bool:
     """Whether a forward of the model on the copy gives bit-identical logits to one on the float32 weights (under
     the autocast the caller runs in); warns and returns False otherwise (also when two forwards on the float32 weights
     already differ: a nondeterministic forward cannot be judged). Call with the model in eval mode and under
     `torch.inference_mode()`; the copy is released afterwards."""
-    ids = probe_ids(vocab_size, device)
+    ids = torch.randint(0, vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)  # fixed
     reference = copy.model(input_ids=ids, use_cache=False).logits
     again = copy.model(input_ids=ids, use_cache=False).logits
     copy.refresh()

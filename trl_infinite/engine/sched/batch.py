@@ -50,12 +50,11 @@ class NonFiniteLogitsError(RuntimeError):
     def __init__(self, step: int, seq: Sequence, token_index: int):
         self.step, self.prompt_index, self.sample_index = step, seq.group_id, seq.sample_idx
         self.token_index = token_index
-        super().__init__(
-            f"logits are not finite (NaN or inf) at engine step {step} for prompt {seq.group_id}, sample "
-            f"{seq.sample_idx} (completion token {token_index}): the model's forward produced them, so no token can "
-            "be sampled (`generate` raises 'probability tensor contains either `inf`, `nan` or element < 0' here). "
-            "Check the model's weights and inputs (float16 overflows easily)."
-        )
+        super().__init__(f"logits are not finite (NaN or inf) at engine step {step} for prompt {seq.group_id}, "
+                         f"sample {seq.sample_idx} (completion token {token_index}): the model's forward produced "
+                         "them, so no token can be sampled (`generate` raises 'probability tensor contains either "
+                         "`inf`, `nan` or element < 0' here). Check the model's weights and inputs (float16 overflows "
+                         "easily).")
 
 
 @dataclass
@@ -79,13 +78,6 @@ class ScheduledBatch:
     readmitted: list[Sequence] = field(default_factory=list)
     # nothing waits for admission after this step's: the call ends when the last of the running samples does
     draining: bool = False
-
-    @property
-    def rebuilt(self) -> list[Sequence]:
-        """Samples whose block tables must be read afresh this step: the re-admitted ones (recomputed samples and
-        those copied back from the host tier are re-admitted ones, as are those whose KV was kept while their prompt
-        was prefilled again)."""
-        return self.readmitted
 
 
 @dataclass

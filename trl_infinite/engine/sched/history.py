@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trl_infinite.engine.config.engine_config import HistoryConfig
 from trl_infinite.engine.sched.sequence import Group
@@ -33,11 +33,6 @@ class PromptVisit:
         return sum(len(c) for c in self.completions) if self.completions is not None else 0
 
 
-@dataclass
-class _Entry:
-    visits: list[PromptVisit] = field(default_factory=list)  # oldest first
-
-
 def prompt_key(prompt_ids) -> bytes:
     """Compact hashable key of a prompt's token ids."""
     return array("q", prompt_ids).tobytes()
@@ -50,14 +45,12 @@ class PromptHistory:
     def __init__(self, config: HistoryConfig | None = None):
         config = config or HistoryConfig()
         self.max_prompts, self.max_visits, self.max_tokens = config.max_prompts, config.max_visits, config.max_tokens
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, list[PromptVisit]] = OrderedDict()  # visits oldest first
         self._num_tokens = 0
 
-    # ------------------------------------------------------------------ reading
     def visits(self, prompt_ids) -> list[PromptVisit]:
         """The prompt's recorded visits, oldest first (empty when unseen). Reading does not refresh recency."""
-        entry = self._entries.get(prompt_key(prompt_ids))
-        return list(entry.visits) if entry is not None else []
+        return list(self._entries.get(prompt_key(prompt_ids), []))
 
     def lengths(self, prompt_ids) -> list[int]:
         """Every completion length of the prompt's recorded visits (oldest visit first)."""
@@ -78,32 +71,30 @@ class PromptHistory:
         """Completion token ids held now (<= `max_tokens`)."""
         return self._num_tokens
 
-    # ------------------------------------------------------------------ writing
     def record(self, prompt_ids, lengths: list[int], completions: list[list[int]] | None = None) -> None:
         """Add one visit of a prompt (its G completions); the prompt becomes the most recently visited."""
         if self.max_prompts == 0 or not lengths:
             return
         key = prompt_key(prompt_ids)
-        entry = self._entries.pop(key, None) or _Entry()
+        entry = self._entries.pop(key, None) or []
         self._entries[key] = entry  # most recent last
         kept = None
         if completions is not None and self.max_tokens > 0:
             kept = [array("i", c) for c in completions]
             self._num_tokens += sum(len(c) for c in kept)
-        entry.visits.append(PromptVisit(list(lengths), kept))
-        while len(entry.visits) > self.max_visits:
-            self._num_tokens -= entry.visits.pop(0).num_tokens
+        entry.append(PromptVisit(list(lengths), kept))
+        while len(entry) > self.max_visits:
+            self._num_tokens -= entry.pop(0).num_tokens
         while len(self._entries) > self.max_prompts:
             _, old = self._entries.popitem(last=False)
-            self._num_tokens -= sum(v.num_tokens for v in old.visits)
+            self._num_tokens -= sum(v.num_tokens for v in old)
         self._trim_tokens()
 
     def _trim_tokens(self) -> None:
         """Drop token ids, oldest visit of the least recently visited prompt first, until within budget."""
         entries = iter(self._entries.values())
         while self._num_tokens > self.max_tokens:
-            entry = next(entries)
-            for visit in entry.visits:
+            for visit in next(entries):
                 if visit.completions is not None and self._num_tokens > self.max_tokens:
                     self._num_tokens -= visit.num_tokens
                     visit.completions = None

@@ -9,9 +9,8 @@ are shared instead of allocated and only the rest is prefilled (at least its las
 tokens); its new full blocks are registered at once, so a prompt admitted later in the same step reads them (the
 prefill runs the step's prompts in admission order, each layer writing every new token's KV before attending). The
 first ids of the next block found inside a cached block (a partial hit) are copied by the prefill's layers
-(`PrefillCopy`). With `cache_completions`, a finished sample's full blocks past its prompt are registered too (its
-own blocks, its KV shifted onto the cache's block grid by a `SlotCopy` where the prompt ends inside a block), so the
-next turn of a tool loop prefills only what follows them.
+(`PrefillCopy`). With `cache_completions`, a finished sample's blocks past its prompt are registered too
+(`cache_completion`), so the next turn of a tool loop prefills only what follows them.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ class KVBlocks:
         forward) + drafts; a sample without tokens yet reserves the slot of its first token."""
         return blocks_for(max(seq.num_generated, 1) + lookahead, self.block_size)
 
-    # ------------------------------------------------------------------ prompts
     def _prompt_keys(self, group: Group) -> list[int]:
         keys = self._keys.get(group.group_id)
         if keys is None:
@@ -117,7 +115,6 @@ class KVBlocks:
         self.allocator.free(group.prompt_blocks)
         group.prompt_blocks = []
 
-    # ------------------------------------------------------------------ completions
     def cache_completion(self, seq: Sequence) -> None:
         """Register `seq`'s prompt + completion past its prompt's full blocks (see the module docstring): the
         positions whose KV is written (all but the last output token), after a cached chain; the full blocks, then
@@ -177,7 +174,6 @@ class KVBlocks:
         own = pos - plen
         return seq.blocks[own // bs] * bs + own % bs
 
-    # ------------------------------------------------------------------ divided rollout's host tier
     def offload(self, seq: Sequence) -> None:
         """Move the KV of parked `seq` to the host tier, freeing its blocks."""
         self.moves.append(Swap(seq.seq_id, tuple(seq.blocks), to_host=True))

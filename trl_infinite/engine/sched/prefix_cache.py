@@ -10,15 +10,11 @@ the entry matched one block before (entries get serial numbers that are never re
 recycled block id is a miss, never a wrong hit.
 
 A finished completion's last, partial block is registered too (its entry holds fewer than B ids, so only `partial`
-finds it). A prompt whose shared part ends inside a block (a 200-token header in 16-token blocks) also takes the first ids of
-that block from a cached block after the same prefix (`partial`): those slots are copied into its own block inside
-the prefill forward (each layer, right after writing the new keys and values, so the source may be computed in the
-same forward), not run through the model. The forward makes all its copies at once, so a source slot that is itself
-a copy target of that forward (a prompt re-using a block another prompt of the step partly copied) is replaced by
-that copy's source (`Scheduler._allocate_prompt`).
+finds it). A prompt whose shared part ends inside a block (a 200-token header in 16-token blocks) takes the first ids
+of that block from a cached block after the same prefix (`partial`), copied by the prefill forward's layers
+(`kv_blocks.KVBlocks.allocate_prompt`), not run through the model.
 
-Reference counts live in the `BlockAllocator`: a cached block nobody references is *evictable*: counted free, and
-given to a new owner (its entry dropped) least recently used first, only once no never-used block is left.
+Reference counts live in the `BlockAllocator`, which evicts cached blocks nobody references.
 
 Pure Python (no torch): the scheduler and the trace simulator share it. The engine drops every entry when the
 model's weights may have changed (`weight_state.py`).

@@ -29,16 +29,8 @@ class Scheduler:
     """Admission, block accounting and preemption for one `generate` call (built by `call.RolloutCall`); counts
     its steps, preemptions, evictions, parks and offloads in the call's `stats`."""
 
-    def __init__(
-        self,
-        allocator: BlockAllocator,
-        policy: SchedulePolicy,
-        admission: AdmissionPolicy,
-        mode: SamplingMode,
-        chunk_tokens: int | None,
-        stats: RolloutStats,
-        cache_completions: bool = False,
-    ):
+    def __init__(self, allocator: BlockAllocator, policy: SchedulePolicy, admission: AdmissionPolicy,
+                 mode: SamplingMode, chunk_tokens: int | None, stats: RolloutStats, cache_completions: bool = False):
         """`cache_completions`: register finished samples' completion blocks in the prefix cache (`KVBlocks`)."""
         self.allocator = allocator
         self.kv = KVBlocks(allocator, stats, cache_completions)
@@ -55,7 +47,6 @@ class Scheduler:
         self._admit_counter = 0
         self.step_idx = 0
 
-    # ------------------------------------------------------------------ submission
     def submit(self, groups: list[Group], sequences: list[Sequence]) -> None:
         self.groups.extend(groups)
         self.waiting.extend(sequences)
@@ -69,16 +60,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.finished)
 
     def view(self) -> SchedulerView:
-        return SchedulerView(
-            running=self.running,
-            waiting=self.waiting,
-            free_blocks=self.allocator.num_free,
-            num_blocks=self.allocator.num_blocks,
-            block_size=self.block_size,
-            step=self.step_idx,
-        )
+        return SchedulerView(running=self.running, waiting=self.waiting, free_blocks=self.allocator.num_free,
+                             num_blocks=self.allocator.num_blocks, block_size=self.block_size, step=self.step_idx)
 
-    # ------------------------------------------------------------------ one step
     def schedule(self, lookahead: int = 0) -> ScheduledBatch:
         """Grow running samples' blocks, then admit; never allocates past the pool."""
         batch = ScheduledBatch(lookahead=lookahead)
@@ -183,14 +167,10 @@ class Scheduler:
         if seq.num_generated > 0:
             batch.readmitted.append(seq)
 
-    # ------------------------------------------------------------------ divided rollout
     def _chunk_target(self, seq: Sequence) -> int | None:
         """Output length at which the sample returns to the queue (`chunk_tokens`, or the policy's probe)."""
-        limits = [self.policy.chunk_limit(seq)]
-        if self.chunk_tokens is not None:
-            limits.append(seq.chunk_start + self.chunk_tokens)
-        limits = [x for x in limits if x is not None]
-        return min(limits) if limits else None
+        own = None if self.chunk_tokens is None else seq.chunk_start + self.chunk_tokens
+        return min((x for x in (self.policy.chunk_limit(seq), own) if x is not None), default=None)
 
     def park(self, seq: Sequence) -> None:
         """Return a running sample to the queue keeping its KV blocks (it resumes with no recompute)."""
@@ -207,7 +187,6 @@ class Scheduler:
         self.kv.offload(max(parked, key=lambda s: len(s.blocks)))
         return True
 
-    # ------------------------------------------------------------------ state changes
     def preempt(self, seq: Sequence) -> None:
         """Free the sample's own blocks and put it back in the queue; its tokens are kept (recompute later)."""
         self.allocator.free(seq.blocks)

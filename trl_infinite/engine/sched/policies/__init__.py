@@ -4,12 +4,5 @@
 from trl_infinite.engine.config.registry import BATCH_POLICIES, SCHEDULERS, register_batch_policy, register_scheduler
 from trl_infinite.engine.sched.policies.base import AdmissionPolicy, SchedulePolicy, SchedulerView
 
-__all__ = [
-    "AdmissionPolicy",
-    "BATCH_POLICIES",
-    "SCHEDULERS",
-    "SchedulePolicy",
-    "SchedulerView",
-    "register_batch_policy",
-    "register_scheduler",
-]
+__all__ = ["AdmissionPolicy", "BATCH_POLICIES", "SCHEDULERS", "SchedulePolicy", "SchedulerView",
+           "register_batch_policy", "register_scheduler"]

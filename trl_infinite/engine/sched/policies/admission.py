@@ -28,8 +28,7 @@ class MemoryAdmission(AdmissionPolicy):
     theta * sigma_S (sigma_S = sqrt(b) * std of completion lengths, theta = Phi^-1(1 - eps_m)), fits the pool.
     A running sample's expected final length is max(mu, generated + 1), mu/std from the finished samples
     (`max_new_tokens` and 0 until `min_observations` finished: conservative). A wrong guess is not an error: the
-    scheduler preempts when a running sample needs a block the pool no longer has.
-    Options (`config.memory`): `memory_eps` (eps_m), `memory_min_observations`.
+    scheduler preempts when a running sample needs a block the pool no longer has. Options: `config.memory`.
     """
 
     def __init__(self, config: SchedulingConfig) -> None:

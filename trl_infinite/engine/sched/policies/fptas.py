@@ -37,9 +37,8 @@ def makespan(costs: list[float], bins: list[list[int]]) -> float:
     return max((sum(costs[i] for i in b) for b in bins), default=0.0)
 
 
-def fptas_partition(
-    costs: list[float], num_bins: int, eps: float = 0.1, max_states: int = 20000
-) -> tuple[list[list[int]], float]:
+def fptas_partition(costs: list[float], num_bins: int, eps: float = 0.1,
+                    max_states: int = 20000) -> tuple[list[list[int]], float]:
     """Bins of item indices (each bin in descending cost order) and the guaranteed relative bound eps_effective:
     makespan <= (1 + eps_effective) * optimum."""
     if not 0.0 < eps <= 1.0:

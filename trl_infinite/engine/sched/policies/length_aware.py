@@ -25,7 +25,6 @@ class LengthAwarePolicy(SchedulePolicy):
     def __init__(self, config: SchedulingConfig, predictor: LengthPredictor, slot_limit: int | None) -> None:
         self.predictor = predictor
 
-    # -- helpers
     def probing(self, seq: Sequence) -> bool:
         """Still decoding the prefix its predictor needs (the k tokens, plus the one whose input is token k)."""
         k = self.predictor.prefix_k

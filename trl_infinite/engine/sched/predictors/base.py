@@ -18,10 +18,8 @@ learn. Every prediction that was used is scored against the true length at finis
   from finished siblings, else the prefix head, else the global mean (the default chain).
 - "none": no estimate (length-aware policies then see every sample as `max_new_tokens` long).
 
-Predictors are built by name, `PREDICTORS.build(name, config, history)` with the `SchedulingConfig` (each reads its
-own section: `prefix_predictor`, `history_predictor`) and the engine's `PromptHistory` (`build_predictor`), one per
-engine, so they learn across calls; `begin_call(groups)` tells them a new `generate` call starts (group ids restart
-at 0 every call).
+Predictors are built by `build_predictor`, one per engine, so they learn across calls; `begin_call(groups)` tells
+them a new `generate` call starts (group ids restart at 0 every call).
 """
 
 from __future__ import annotations
@@ -81,11 +79,6 @@ class LengthPredictor:
         self.scores = ErrorStats()
         # seq_id -> the prediction the sample is ranked with (side table, popped when the sample finishes)
         self.predictions: dict[int, float] = {}
-
-    @property
-    def abs_errors(self) -> list[float]:
-        """The absolute errors of the current call's scored predictions."""
-        return self.scores.call
 
     def begin_call(self, groups: list[Group]) -> None:
         """A `generate` call with these prompt groups starts (called by the length-aware policies)."""

@@ -107,17 +107,11 @@ class HistoryPredictor(LengthPredictor):
         for scores in self.source_scores.values():
             scores.end_call()
 
-    # ------------------------------------------------------------------ the chain
     def _past_lengths(self, group: Group) -> SortedLengths:
         past = self._past.get(group)
         if past is None:
             past = self._past[group] = SortedLengths(self.history.lengths(group.prompt_ids))
         return past
-
-    def _global(self) -> SortedLengths:
-        if self._recent_sorted is None:
-            self._recent_sorted = SortedLengths(self.recent)
-        return self._recent_sorted
 
     def predict_with_source(self, seq: Sequence) -> tuple[float | None, str]:
         """(predicted total length, source); (None, "global") when nothing is known yet."""
@@ -135,7 +129,9 @@ class HistoryPredictor(LengthPredictor):
         pred = self.prefix.predict(seq) if self.prefix_k is not None else None
         if pred is not None and pred > e:
             return pred, "prefix"
-        return self._global().mean_above(e), "global"
+        if self._recent_sorted is None:
+            self._recent_sorted = SortedLengths(self.recent)
+        return self._recent_sorted.mean_above(e), "global"
 
     def predict(self, seq: Sequence) -> float | None:
         pred, source = self.predict_with_source(seq)
@@ -165,7 +161,6 @@ class HistoryPredictor(LengthPredictor):
         """With the prefix link, only samples that no earlier link answers for probe the prefix."""
         return self.prefix_k is not None and self.predict_with_source(seq)[1] in ("prefix", "global")
 
-    # ------------------------------------------------------------------ learning and scoring
     def observe(self, seq: Sequence) -> None:
         n = seq.num_generated
         first = self._first.pop(seq.seq_id, None)

@@ -45,9 +45,6 @@ class OnlineRidge:
             del self.xs[0], self.ys[0], self.groups[0]
         self._seen += 1
 
-    def _stale(self) -> bool:
-        return self.w is None or self._seen >= max(self._fitted_on + 1, self._fitted_on * self.refit_growth)
-
     def fit(self) -> None:
         X = np.stack(self.xs)  # [n, d]
         self.mean, self.std = X.mean(0), X.std(0) + 1e-6
@@ -92,7 +89,7 @@ class OnlineRidge:
         return [np.asarray(v) for v in where.values()]
 
     def __call__(self, x) -> float:
-        if self._stale():
+        if self.w is None or self._seen >= max(self._fitted_on + 1, self._fitted_on * self.refit_growth):
             self.fit()
         z = (np.asarray(x, dtype=np.float64).ravel() - self.mean) / self.std
         return float(z @ self.w + self.y_mean)
