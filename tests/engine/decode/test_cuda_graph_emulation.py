@@ -1,4 +1,4 @@
-"""The CUDA-graph path of the static decoder, on the CPU stand-in for `torch.cuda.graph` (`graph_emulation`).
+"""The CUDA-graph path of the static decoder, on the CPU stand-in for `torch.cuda.graph` (`decode/cpu_graphs.py`).
 
 Every capture/replay rule runs here without a GPU:
 - the warm-up before a capture leaves the live rows and the KV pool as they were (it used to run the step twice on
@@ -115,7 +115,7 @@ def test_graphs_of_triton_kernels_and_compiled_steps(kw):
         # under the emulator's dispatch mode, into the interpreter's kernel launch: an emulator limit (a CUDA capture
         # has no dispatch mode), covered without graphs by test_triton_compiled.py
         pytest.skip(f"torch {torch.__version__}: the capture emulation of a compiled Triton step needs the direct "
-                    "dispatch (compiled_step.FAST_DISPATCH_TORCH)")
+                    "dispatch (decode.compiled.FAST_DISPATCH_TORCH)")
     torch._dynamo.reset()  # nothing compiled by an earlier test is traced again under the emulator
     model = tiny_model("qwen3")
     refs = [reference_greedy(model, p, 8, []) for p in PROMPTS]
