@@ -142,6 +142,31 @@ def test_budget_not_applied_where_the_loss_is_not_a_sum_over_rows(tmp_path, toke
     assert loss_slices(ours, trl_batch(96)) is None
 
 
+def test_top_entropy_quantile_trains_with_trls_forward_and_says_why(tmp_path, tokenizer, dataset):
+    """The top-entropy mask is a hard threshold on the forward's entropies: another forward's rounding moves tied
+    entropies across it (fuzz regression 9), so the training forward is TRL's own: no shared-prefix forward (one
+    warning naming the setting), TRL's micro batches at TRL's widths."""
+    with pytest.warns(UserWarning, match="top_entropy_quantile < 1"):
+        ref, ours = trainers(tmp_path, "qwen3", tokenizer, dataset, top_entropy_quantile=0.5,
+                             steps_per_generation=3, gradient_accumulation_steps=3)
+    assert ours.shared_prefix is None and "top_entropy_quantile" in ours.shared_prefix_reason
+    assert ours.trl_forward is not None and ref.top_entropy_quantile == 0.5
+    batch = trl_batch(96)
+    micro_batches = {}
+    for trainer in (ref, ours):
+        trainer._buffered_inputs = None
+        trainer._generate_and_score_completions = lambda _batch: dict(batch)
+        torch.manual_seed(0)
+        micro_batches[trainer] = []
+        for trainer._step in range(3):
+            micro_batches[trainer].append(trainer._prepare_inputs(None))
+    for want, got in zip(micro_batches[ref], micro_batches[ours]):  # 2 rows each, some shorter than 7 columns
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), key
+
+
 def test_refused_model_trains_with_trls_forward_and_says_why(tmp_path, tokenizer, dataset):
     """A model whose training forward is random (dropout) is refused by the contract: TRL's forward, one warning."""
     model = build_tiny_model("llama", attention_dropout=0.1).train()

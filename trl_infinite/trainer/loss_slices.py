@@ -168,7 +168,7 @@ def loss_slices(trainer, inputs: dict) -> list[slice] | None:
     """The row slices of a training micro batch over `backward_token_budget` tokens (None: one pass)."""
     budget = getattr(trainer.args, "backward_token_budget", None)
     accelerator = trainer.accelerator
-    if (budget is None or trainer.random_forward is not None or not trainer.model.training
+    if (budget is None or trainer.trl_forward is not None or not trainer.model.training
             or not torch.is_grad_enabled() or trainer.loss_type not in SPLITTABLE_LOSSES
             or trainer.split_dependent_loss or accelerator.distributed_type not in _SLICED_DISTRIBUTED):
         return None

@@ -100,10 +100,8 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         target = self.model.get_base_model() if is_peft_model(self.model) else self.model
         head = HeadSpec.from_model(target, self.temperature, self.args.cast_lm_head_to_fp32)
         try:
-            if self.random_forward is not None:
-                raise SharedPrefixUnsupported(
-                    f"its training forward is random ({self.random_forward}): the packed forward would draw other "
-                    "dropout masks than TRL's padded forward; set `disable_dropout=True` or turn the noise off")
+            if self.trl_forward is not None:
+                raise SharedPrefixUnsupported(self.trl_forward)
             self.shared_prefix = SharedPrefixForward.install(target, head, autocast=self.accelerator.autocast,
                                                              outer=self.model)
         except SharedPrefixUnsupported as err:
@@ -242,6 +240,19 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ micro-batched backprop
     @property
+    def trl_forward(self) -> str | None:
+        """Why the training forward must be `GRPOTrainer`'s own, bit for bit, if it must: its micro batches (TRL's
+        random split, padded to the generation batch's widths), its padded forward, one backward per micro batch."""
+        if self.random_forward is not None:
+            return (f"its training forward is random ({self.random_forward}): the packed forward would draw other "
+                    "dropout masks than TRL's padded forward; set `disable_dropout=True` or turn the noise off")
+        if self.top_entropy_quantile < 1.0:
+            return ("`top_entropy_quantile < 1` trains only the tokens whose entropy reaches a quantile of the micro "
+                    "batch's entropies, a hard threshold: the rounding of any other forward (trimmed padding, packed "
+                    "rows) moves tied entropies across it and trains other tokens than GRPOTrainer")
+        return None
+
+    @property
     def split_dependent_loss(self) -> bool:
         """A loss term that depends on which rows share a micro batch is on (the entropy bonus, a top-entropy
         quantile, the MoE auxiliary loss): the micro batches are then TRL's random split (`micro_batches.py`)."""
@@ -252,7 +263,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         """TRL's buffering of one generation batch over `steps_per_generation` steps, but split into micro batches
         of whole groups (shared-prefix forward) or of similar-length completions (TRL's random split where a loss
         term depends on it), each padded only to its own longest completion (`micro_batches.py`)."""
-        if not self.model.training or self.random_forward is not None:  # (dropout: TRL's masks need TRL's split)
+        if not self.model.training or self.trl_forward is not None:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
