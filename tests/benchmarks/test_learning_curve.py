@@ -1,0 +1,75 @@
+"""`benchmarks/learning_curve.py`, smoke version (issue 44): a few steps of a tiny random model, one seed per trainer.
+Checks what is logged and that the table and the plot are produced, not the learning. The comparison's statistics
+are checked on hand-made curves (`curve_stats.py`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def _benchmarks_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the scripts import their `common` module by name
+
+
+def test_both_trainers_log_every_step_and_the_plot_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "curve.json", tmp_path / "curve.png"
+    cmd = [sys.executable, str(BENCH / "learning_curve.py"), "--task", "tiny", "--steps", "3", "--seeds", "0",
+           "--num-prompts", "16", "--json", str(out), "--plot", str(png)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(r["trainer"], r["seed"]) for r in data["runs"]] == [("trl", 0), ("infinite", 0)]
+    for run in data["runs"]:
+        assert [s["step"] for s in run["steps"]] == [1, 2, 3]
+        for s in run["steps"]:
+            assert s["cpu_s"] > 0 and s["wall_s"] > 0
+            assert {"reward", "completions/mean_length", "entropy"} <= s.keys()
+            assert {"rewards/length_mod/mean", "rewards/even_first/mean"} <= s.keys()
+            # the total is the sum of the two functions' means (TRL's weights are 1)
+            assert s["reward"] == pytest.approx(s["rewards/length_mod/mean"] + s["rewards/even_first/mean"], abs=1e-5)
+    assert data["runs"][1]["uses_engine"] is True
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    table = out.with_suffix(".md").read_text()
+    assert "| GRPOTrainer | 1 |" in table and "| InfiniteGRPOTrainer | 1 |" in table
+    assert "final reward: too few seeds" in table  # one seed per trainer: no interval is claimed
+
+
+def run(trainer: str, seed: int, rewards: list[float], step_s: float = 1.0) -> dict:
+    return {"trainer": trainer, "seed": seed,
+            "steps": [{"step": i + 1, "reward": r, "wall_s": step_s, "cpu_s": step_s / 2} for i, r in enumerate(rewards)]}
+
+
+def test_verdicts_and_time_to_level_on_known_curves():
+    stats = importlib.import_module("curve_stats")
+    # the same curves, ours twice as fast per step: equivalent, time ratio 0.5
+    same = [run("trl", s, [0.0, 0.2 + d, 0.6 + d, 1.0 + d]) for s, d in enumerate((0.0, 0.02, -0.02))]
+    same += [run("infinite", s, [0.0, 0.2 + d, 0.6 + d, 1.0 + d], 0.5) for s, d in enumerate((0.01, -0.01, 0.0))]
+    report = stats.compare_runs(same, final_window=1, smooth=1, level=0.5, tolerance=0.15)
+    assert report.data["final reward_verdict"]["verdict"] == "equivalent"
+    # the level 0.5 is first reached at step 3 by every seed: 3 s for TRL, 1.5 s for ours
+    assert report.data["wall_to_level_ratio"] == pytest.approx(0.5)
+    assert report.data["trainers"]["trl"]["wall_to_level"] == [3.0, 3.0, 3.0]
+    # ours learns nothing: different
+    flat = [r for r in same if r["trainer"] == "trl"]
+    flat += [run("infinite", s, [0.0, 0.0 + d, 0.01, 0.0 - d]) for s, d in enumerate((0.01, -0.01, 0.02))]
+    report = stats.compare_runs(flat, final_window=1, smooth=1, level=0.5, tolerance=0.15)
+    assert report.data["final reward_verdict"]["verdict"] == "different"
+    assert report.data["trainers"]["infinite"]["wall_to_level"] == [None, None, None]
+    assert report.data["wall_to_level_ratio"] is None
+    # noisy seeds whose difference may or may not exceed the tolerance: inconclusive
+    noisy = [run("trl", s, [0.0, v]) for s, v in enumerate((0.2, 0.9, 0.5))]
+    noisy += [run("infinite", s, [0.0, v]) for s, v in enumerate((0.3, 1.0, 0.4))]
+    report = stats.compare_runs(noisy, final_window=1, smooth=1, level=0.5, tolerance=0.15)
+    assert report.data["final reward_verdict"]["verdict"] == "inconclusive"
