@@ -22,6 +22,8 @@ from _models import tiny_tokenizer
 from _profiles import profile, register
 from hypothesis import given, settings
 
+from trl_infinite.trainer import recompute
+
 register("trainer-fuzz", ci_examples=200, long_examples=400)
 
 
@@ -34,6 +36,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.usefixtures("one_thread"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _small_slices(monkeypatch):
+    """Slices sized by `activation_memory_gb` from 8 tokens up (256 in use): the tiny models' batches get several."""
+    monkeypatch.setattr(recompute, "MIN_SLICE_TOKENS", 8)
 
 
 def test_trainer_matches_grpo_trainer_under_every_configuration(request):

@@ -58,13 +58,14 @@ def trl_batch(vocab: int, seed: int = 0, group_size: int = 3) -> dict:
     }
 
 
-OURS_ONLY = ("backward_token_budget", "shared_prefix_training")
+OURS_ONLY = ("backward_token_budget", "shared_prefix_training", "activation_memory_gb")
 
 
 def trainers(tmp_path, arch, tokenizer, dataset, **overrides):
     model = ARCHS[arch]().train()
     kw = dict(per_device_train_batch_size=6, num_generations=3, max_completion_length=7, temperature=0.9,
-              gradient_checkpointing=False, **overrides)
+              gradient_checkpointing=False)
+    kw.update(overrides)
     trl_kw = {k: v for k, v in kw.items() if k not in OURS_ONLY}
     ref = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=token_sum_reward, processing_class=tokenizer,
                       args=cpu_args(tmp_path / "trl", cls=GRPOConfig, **trl_kw), train_dataset=dataset)

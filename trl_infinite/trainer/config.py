@@ -105,6 +105,19 @@ class InfiniteGRPOConfig(GRPOConfig):
         },
     )
 
+    activation_memory_gb: float | None = field(
+        default=1.0,
+        metadata={
+            "help": "With `gradient_checkpointing=True` (TRL's default): the most GB of activations one slice of the "
+            "loss may keep for its backward. Slices whose activations fit (measured once per model: the bytes "
+            "autograd saves per token) run without recomputing their forward in the backward, 3/4 of the work of "
+            "a checkpointed step; a micro batch is cut into more, smaller slices to fit (see "
+            "`backward_token_budget`); where not even 256 tokens fit, every slice recomputes, as TRL does. Same "
+            "values either way (`trainer/recompute.py`). DDP or one process, not with `top_entropy_quantile < 1` or "
+            "dropout (TRL's own forward). None: recompute whenever `gradient_checkpointing` is on, as TRL."
+        },
+    )
+
     host_tensor_cache_mb: int | None = field(
         default=256,
         metadata={
@@ -132,6 +145,12 @@ class InfiniteGRPOConfig(GRPOConfig):
         ):
             raise ValueError(f"`backward_token_budget` must be a positive integer or None, got "
                              f"{self.backward_token_budget!r}.")
+        if self.activation_memory_gb is not None and (
+            not isinstance(self.activation_memory_gb, (int, float)) or isinstance(self.activation_memory_gb, bool)
+            or not self.activation_memory_gb > 0
+        ):
+            raise ValueError(f"`activation_memory_gb` must be a positive number or None, got "
+                             f"{self.activation_memory_gb!r}.")
         if not isinstance(self.shared_prefix_training, bool):
             raise ValueError(f"`shared_prefix_training` must be True or False, got {self.shared_prefix_training!r}.")
         if self.rollout_reward_chunks not in REWARD_CHUNKS:

@@ -40,6 +40,7 @@ from trl_infinite.engine.runner import host_memory
 from trl_infinite.trainer.compat import TRL_HOOKS
 from trl_infinite.trainer.loss_metrics import loss_mask, merge_metrics, metric_weights, piece_rows
 from trl_infinite.trainer.micro_batches import TRL_SET_KEY, take_rows
+from trl_infinite.trainer.recompute import no_recompute
 
 ROW_MEAN_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
 TOKEN_MEAN_LOSSES = ("bnpo",)
@@ -111,7 +112,8 @@ def micro_batch_loss(trainer, trl_loss, model, inputs: dict, return_outputs: boo
         inputs = {k: v for k, v in inputs.items() if k != TRL_SET_KEY}
     slices = None if return_outputs else loss_slices(trainer, inputs)
     if slices is None and (sets is None or return_outputs):
-        return trl_loss(model, inputs, return_outputs, num_items_in_batch)
+        with keep_activations(trainer, model, inputs):
+            return trl_loss(model, inputs, return_outputs, num_items_in_batch)
     slices = slices or [slice(0, inputs["completion_mask"].shape[0])]
     parts = [take_rows(inputs, s) for s in slices]
     weights = loss_weights(trainer.loss_type, parts)
@@ -120,8 +122,9 @@ def micro_batch_loss(trainer, trl_loss, model, inputs: dict, return_outputs: boo
     pieces: list[tuple[int | None, dict]] = []  # (TRL micro batch, inputs) of every TRL loss call, in order
     done = None
     for i, (part, weight, rows) in enumerate(zip(parts, weights, slices)):
-        loss = _loss_pieces(trainer, trl_loss, model, part, None if sets is None else sets[rows], num_items_in_batch,
-                            pieces) * weight
+        with keep_activations(trainer, model, part):
+            loss = _loss_pieces(trainer, trl_loss, model, part, None if sets is None else sets[rows],
+                                num_items_in_batch, pieces) * weight
         if i == len(parts) - 1:
             break
         with accelerator.no_sync(model) if accelerator.sync_gradients else nullcontext():
@@ -164,24 +167,77 @@ def _loss_pieces(trainer, trl_loss, model, inputs: dict, sets: torch.Tensor | No
     return total
 
 
+def row_costs(trainer, inputs: dict) -> torch.Tensor:
+    """[B] tokens each row adds to the training forward: packed (shared-prefix forward) or the padded width."""
+    if trainer.shared_prefix is not None:
+        return packed_tokens(inputs)
+    width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
+    return torch.full((inputs["completion_mask"].shape[0],), width)
+
+
+def _own_passes(trainer) -> bool:
+    """The trainer may shape this loss's passes (slices, recomputation): a training backward under DDP or one
+    process, not TRL's own forward (`trl_forward`)."""
+    return (trainer.trl_forward is None and trainer.model.training and torch.is_grad_enabled()
+            and trainer.accelerator.distributed_type in _SLICED_DISTRIBUTED)
+
+
+def keep_activations(trainer, model, inputs: dict):
+    """`no_recompute` for a forward whose tokens fit the activation budget (`recompute.py`), else nothing."""
+    limit = trainer.recompute.max_tokens(trainer.model) if _own_passes(trainer) else None
+    if limit is None or int(row_costs(trainer, inputs).sum()) > limit:
+        return nullcontext()
+    return no_recompute(model)
+
+
 def loss_slices(trainer, inputs: dict) -> list[slice] | None:
-    """The row slices of a training micro batch over `backward_token_budget` tokens (None: one pass)."""
+    """The row slices of a training micro batch over `backward_token_budget` tokens, or over the tokens whose
+    activations fit `activation_memory_gb` without recomputation, whichever is fewer (None: one pass)."""
     budget = getattr(trainer.args, "backward_token_budget", None)
     accelerator = trainer.accelerator
-    if (budget is None or trainer.trl_forward is not None or not trainer.model.training
-            or not torch.is_grad_enabled() or trainer.loss_type not in SPLITTABLE_LOSSES
-            or trainer.split_dependent_loss or accelerator.distributed_type not in _SLICED_DISTRIBUTED):
+    if (budget is None or not _own_passes(trainer) or trainer.loss_type not in SPLITTABLE_LOSSES
+            or trainer.split_dependent_loss):
         return None
     if any(isinstance(v, torch.Tensor) and v.ndim >= 1 and k not in ROW_KEYS
            and v.shape[0] != inputs["completion_mask"].shape[0] for k, v in inputs.items()):
         return None  # an entry not aligned with the rows (e.g. pixel values): one pass
-    if trainer.shared_prefix is not None:
-        costs = packed_tokens(inputs)
+    limit = trainer.recompute.max_tokens(trainer.model)
+    costs = row_costs(trainer, inputs)
+    if limit is not None and limit < budget:  # slices sized so their activations fit without recomputation
+        slices = fit_slices(trainer, inputs, limit)
+        parts = len(slices)
     else:
-        width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
-        costs = torch.full((inputs["completion_mask"].shape[0],), width)
-    parts = num_parts(int(costs.sum()), budget, costs.numel())
+        slices, parts = None, num_parts(int(costs.sum()), budget, costs.numel())
     if accelerator.num_processes > 1:  # the same number of loss calls on every process
         parts = int(accelerator.gather(torch.tensor([parts], device=accelerator.device)).max())
         parts = min(parts, costs.numel())
+    if slices is not None:
+        while len(slices) < parts:  # halve the largest slice of several rows (each stays within the limit)
+            i = max((j for j, sl in enumerate(slices) if sl.stop - sl.start > 1),
+                    key=lambda j: slices[j].stop - slices[j].start)
+            mid = (slices[i].start + slices[i].stop) // 2
+            slices[i:i + 1] = [slice(slices[i].start, mid), slice(mid, slices[i].stop)]
+        return slices if len(slices) > 1 else None
     return slice_rows(costs, parts) if parts > 1 else None
+
+
+def fit_slices(trainer, inputs: dict, limit: int) -> list[slice]:
+    """Consecutive slices of rows, each as many rows as fit in `limit` tokens of the forward (a slice that starts
+    inside a group encodes its prompt again); a row over the limit alone is a slice of its own."""
+    rows = inputs["completion_mask"].shape[0]
+    if trainer.shared_prefix is None:
+        width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
+        per_slice = max(1, limit // width)
+        return [slice(a, min(a + per_slice, rows)) for a in range(0, rows, per_slice)]
+    own = (inputs["completion_mask"].sum(1) + 1).tolist()
+    prompt = (inputs["prompt_mask"].sum(1) - 1).tolist()
+    group_start = (packed_tokens(inputs) > inputs["completion_mask"].sum(1) + 1).tolist()
+    slices, start = [], 0
+    while start < rows:
+        cost, end = own[start] + prompt[start], start + 1
+        while end < rows and cost + own[end] + (prompt[end] if group_start[end] else 0) <= limit:
+            cost += own[end] + (prompt[end] if group_start[end] else 0)
+            end += 1
+        slices.append(slice(start, end))
+        start = end
+    return slices

@@ -47,7 +47,7 @@ _STATE = (bool, int, float, str, type(None), torch.Tensor)
 
 
 @torch.no_grad()
-def _snapshot(model: torch.nn.Module) -> list:
+def snapshot_state(model: torch.nn.Module) -> list:
     """Each module's buffers (the objects and a copy of their values) and its public plain / tensor attributes: a
     forward may change them (dynamic NTK RoPE grows `inv_freq` and `max_seq_len_cached` past its longest position,
     and later forwards depend on it), and the probe must leave the model as `GRPOTrainer` would see it."""
@@ -57,10 +57,11 @@ def _snapshot(model: torch.nn.Module) -> list:
 
 
 @torch.no_grad()
-def _restore(snapshot: list) -> None:
+def restore_state(snapshot: list) -> None:
     for m, buffers, values, attrs in snapshot:
         for k, v in values.items():
-            buffers[k].copy_(v)
+            if not torch.equal(buffers[k], v):  # (a copy bumps the version counter the engine's weight state reads)
+                buffers[k].copy_(v)
         m._buffers.clear()
         m._buffers.update(buffers)
         m.__dict__.update(attrs)
@@ -71,7 +72,7 @@ def _probe(model: torch.nn.Module) -> str | None:
     device = next(model.parameters()).device
     was_training = model.training
     devices = [device] if device.type == "cuda" else []
-    state = _snapshot(model)
+    state = snapshot_state(model)
     try:
         ids = probe_tokens(model_vocab_size(model), probe_length(model), device).repeat(2, 1)
         model.train()
@@ -84,7 +85,7 @@ def _probe(model: torch.nn.Module) -> str | None:
         return None
     finally:
         model.train(was_training)
-        _restore(state)
+        restore_state(state)
     return None if torch.equal(outs[0], outs[1]) else "two training forwards of the same batch differ"
 
 

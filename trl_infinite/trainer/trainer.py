@@ -21,6 +21,7 @@ from trl_infinite.trainer.loss_slices import micro_batch_loss
 from trl_infinite.trainer.micro_batches import buffer_micro_batches
 from trl_infinite.trainer.packing import pack_rows
 from trl_infinite.trainer.positions import length_dependent_rope
+from trl_infinite.trainer.recompute import RecomputePolicy
 from trl_infinite.trainer.rollout import RolloutSeeds, engine_rollout
 from trl_infinite.trainer.shared_prefix import SharedPrefixForward, SharedPrefixUnsupported
 from trl_infinite.trainer.stochastic import random_training_forward, warning_text
@@ -73,6 +74,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         self.length_dependent_rope = length_dependent_rope(self.model)  # micro batches keep every column then
         self._trl_sets: TrlSetMetrics | None = None  # TRL's per-micro-batch metrics of the pass (`loss_metrics.py`)
         self._forward_rows: tuple | None = None  # a forward's rows for TRL's next loss call on them (`loss_slices.py`)
+        self.recompute = RecomputePolicy(getattr(self.args, "activation_memory_gb", None))
         self.shared_prefix: SharedPrefixForward | None = None
         self.shared_prefix_reason: str | None = None  # why the training forward is TRL's, if it is
         # the probes' forwards leave the global generator as `GRPOTrainer.__init__` left it (dropout masks, TRL's
