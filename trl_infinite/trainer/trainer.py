@@ -14,6 +14,7 @@ from trl_infinite.engine import RolloutEngine
 from trl_infinite.engine.model.support import UnsupportedModelError, check_structure
 from trl_infinite.engine.runner import host_memory
 from trl_infinite.trainer.config import engine_config_from_args
+from trl_infinite.trainer.full_weights import rollout_weights
 from trl_infinite.trainer.generation_config import engine_fallback_reasons
 from trl_infinite.trainer.logprobs import HeadSpec
 from trl_infinite.trainer.loss_metrics import TrlSetMetrics
@@ -141,15 +142,18 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         (`weight_events.py`)."""
         self._stream_slot.prompts = prompts
         self._rollout_turn = 0
-        try:
-            return super()._generate(prompts)
-        finally:
-            self._rollout_turn = None
-            engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
-            if engine is not None:
-                engine.release_pool()
-            if getattr(self, "host_tensor_cache", False):
-                host_memory.trim()  # the rollout's freed blocks, before the loss's forward and backward
+        # under FSDP the engine runs on the full weights, gathered once for the rollout (`full_weights.py`)
+        gather = self.uses_engine and getattr(self, "_dist", None) is not None
+        with rollout_weights(self.model_wrapped, self._dist.fsdp_version if gather else None):
+            try:
+                return super()._generate(prompts)
+            finally:
+                self._rollout_turn = None
+                engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
+                if engine is not None:
+                    engine.release_pool()  # before the weights are resharded
+                if getattr(self, "host_tensor_cache", False):
+                    host_memory.trim()  # the rollout's freed blocks, before the loss's forward and backward
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Engine rollout for rows that hold each prompt `num_generations` times in a row (TRL's layout); the tool
