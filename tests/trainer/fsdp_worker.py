@@ -15,9 +15,12 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (for _models)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from _models import tiny_model, tiny_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
+from trl_infinite.engine import SamplingParams  # noqa: E402
 from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer  # noqa: E402
 
 PROMPTS = [f"what is {i} plus {i + 1} ?" for i in range(16)]
@@ -38,6 +41,10 @@ def cpu_fsdp() -> None:
             self.distributed_type = DistributedType.FSDP
 
     AcceleratorState.__init__ = patched
+    # FSDP1's compute device on CPU: `cpu:0` from the device handle against accelerate's `device_id=cpu`
+    import torch.distributed.fsdp._init_utils as fsdp1_init
+
+    fsdp1_init._get_compute_device = lambda *args, **kwargs: torch.device("cpu")
 
 
 def token_sum_reward(completion_ids, **kwargs):
@@ -56,25 +63,100 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+COLLECTIVES = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce", "broadcast",
+               "_all_gather_base", "_reduce_scatter_base")
+
+
+class CollectiveCounter:
+    """Counts the calls of torch.distributed's collectives while installed."""
+
+    def __init__(self):
+        self.calls = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def counted(*args, _fn=fn, **kwargs):
+                self.calls += 1
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def sharded_storage(trainer) -> dict:
+    """How the parameters are held now: every parameter's (class, local shape), and the bytes of every gathered
+    (unsharded) buffer FSDP keeps allocated (0 once resharded)."""
+    model = trainer.model_wrapped
+    params = {n: (type(p).__name__, tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape))
+              for n, p in model.named_parameters()}
+    gathered = 0
+    if trainer._dist.fsdp_version == 2:
+        from trl_infinite.trainer.full_weights import fsdp2_modules
+
+        for m in fsdp2_modules(model):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    if unsharded is not None:
+                        gathered += unsharded.untyped_storage().nbytes()
+    elif trainer._dist.fsdp_version == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        for m in FSDP.fsdp_modules(model):
+            padded = getattr(m._handle.flat_param, "_full_param_padded", None) if m._handle else None
+            if padded is not None:
+                gathered += padded.untyped_storage().nbytes()
+    return {"params": params, "gathered_bytes": gathered}
+
+
 class RecordingTrainer(InfiniteGRPOTrainer):
-    """Records the rollouts' engine greedy check and the parameters' storage after each rollout."""
+    """Records, for each rollout: the collectives its engine calls ran, the parameters as the engine saw them,
+    greedy engine output against `model.generate` on the gathered model, and the parameters' storage after it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record = {"after_rollout_local": [], "steps": [], "greedy": []}
+        self.record = {"rollout_collectives": [], "during": [], "after": [], "greedy": []}
 
     def _generate(self, prompts):
         out = super()._generate(prompts)
-        model = self.accelerator.unwrap_model(self.model_wrapped)
-        self.record["after_rollout_local"].append(
-            {n: (type(p).__name__, tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape),
-                 p.untyped_storage().size() if not hasattr(p, "to_local") else p.to_local().untyped_storage().size())
-             for n, p in model.named_parameters()})
+        self.record["after"].append(sharded_storage(self))
         return out
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with CollectiveCounter() as counter:
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            self.record["during"].append(sharded_storage(self))
+            model = self.accelerator.unwrap_model(self.model_wrapped)
+            prompt = list(prompt_ids[0])
+            engine = self._engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                                       eos_token_ids=[]))
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                     pad_token_id=0, synced_gpus=False)[0, len(prompt):].tolist()
+            self.record["greedy"].append((list(engine.completion_ids[0]), ref))
+        self.record["rollout_collectives"].append(counter.calls)
         return out
+
+
+class StepSnapshots(TrainerCallback):
+    """Every parameter, gathered, at the end of each optimizer step."""
+
+    def __init__(self):
+        self.trainer = None
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(full_state(self.trainer))
 
 
 def main(out_dir: str, mode: str) -> None:
@@ -86,37 +168,29 @@ def main(out_dir: str, mode: str) -> None:
         per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=2, logging_steps=1,
         save_strategy="no", disable_tqdm=True, seed=0, rollout_max_active_sequences=2, rollout_kv_cache_tokens=512,
     )
+    peft_config = None
+    if mode.endswith("+lora"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    snapshots = StepSnapshots()
     trainer = RecordingTrainer(
-        model=tiny_model("qwen3").train(), reward_funcs=token_sum_reward, args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer(),
+        model=tiny_model("qwen3").train(), reward_funcs=token_sum_reward, args=args, peft_config=peft_config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer(), callbacks=[snapshots],
     )
-    from trl_infinite.trainer.trainer import InfiniteGRPOTrainer as T  # noqa
-    steps = []
-
-    class Snap:
-        pass
-
-    from transformers import TrainerCallback
-
-    class StepSnapshots(TrainerCallback):
-        def on_step_end(self, a, state, control, **kw):
-            steps.append(full_state(trainer))
-
-    trainer.add_callback(StepSnapshots())
+    snapshots.trainer = trainer
     trainer.train()
-    rank = trainer.accelerator.process_index
     torch.save(
         {
             **trainer.record,
-            "steps": steps,
+            "steps": snapshots.steps,
             "uses_engine": trainer.uses_engine,
             "fallback": trainer.engine_fallback_reasons,
             "distributed_type": str(trainer.accelerator.distributed_type),
             "fsdp_version": trainer._dist.fsdp_version,
-            "wrapped": type(trainer.model_wrapped).__name__,
             "engine_steps": [h.get("rollout/decode_steps") for h in trainer.state.log_history if "loss" in h],
         },
-        os.path.join(out_dir, f"rank{rank}.pt"),
+        os.path.join(out_dir, f"rank{trainer.accelerator.process_index}.pt"),
     )
 
 

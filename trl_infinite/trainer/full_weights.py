@@ -76,6 +76,31 @@ def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
+def fsdp1_unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Every FSDP1 flat parameter of `model` unsharded (`summon_full_params(recurse=True, writeback=False)`) and
+    kept so by the forwards run inside: a `FULL_SHARD` / `HYBRID_SHARD` module frees its gathered parameters after
+    each forward and all-gathers them again in the next (a collective per layer per forward, measured: 36 to 54 on
+    two processes for one rollout of the tests' model, unequal between them), so for the rollout each handle runs
+    as its no-reshard-after-forward counterpart (`SHARD_GRAD_OP`, `_HYBRID_SHARD_ZERO2`: the forward keeps the
+    gathered storage and only switches views). On exit the strategies come back and the summon frees the
+    gathered storage."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._flat_param import HandleShardingStrategy as S
+
+    keep = {S.FULL_SHARD: S.SHARD_GRAD_OP, S.HYBRID_SHARD: S._HYBRID_SHARD_ZERO2}
+    handles = [m._handle for m in FSDP.fsdp_modules(model) if m._handle is not None]
+    saved = [h._sharding_strategy for h in handles]
+    with FSDP.summon_full_params(model, recurse=True, writeback=False):
+        try:
+            for h in handles:
+                h._sharding_strategy = keep.get(h._sharding_strategy, h._sharding_strategy)
+            yield
+        finally:
+            for h, strategy in zip(handles, saved):
+                h._sharding_strategy = strategy
+
+
+@contextmanager
 def rollout_weights(model_wrapped: torch.nn.Module, fsdp_version: int | None) -> Iterator[None]:
     """The full weights of the prepared model `model_wrapped` for one rollout (module docstring); nothing to do
     without FSDP (DDP and ZeRO-1/2 hold full weights; ZeRO-3 gathers in TRL's `unwrap_model_for_generation`)."""
@@ -83,9 +108,7 @@ def rollout_weights(model_wrapped: torch.nn.Module, fsdp_version: int | None) ->
         with fsdp2_unsharded(model_wrapped):
             yield
     elif fsdp_version == 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(model_wrapped, recurse=True, writeback=False):
+        with fsdp1_unsharded(model_wrapped):
             yield
     else:
         yield
