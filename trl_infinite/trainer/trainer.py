@@ -45,7 +45,10 @@ class InfiniteGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.engine_config = engine_config_from_args(self.args)
+        # FSDP1 switches a module's parameters between views of its gathered and its sharded storage at every
+        # forward, which would undo the 16-bit weight copy's swap: the engine runs on the weights as FSDP gives them
+        fsdp1 = getattr(self._dist, "fsdp_version", None) == 1
+        self.engine_config = engine_config_from_args(self.args, **({"weight_copy": "off"} if fsdp1 else {}))
         self._engine: RolloutEngine | None = None
         # optimizer steps and weight loads reach the engine (its cache across rollouts: `weight_events.py`)
         self._weight_events = WeightEvents(self.reset_prefix_cache)
