@@ -1,5 +1,5 @@
 """The engine under FSDP2 (`fully_shard`) and FSDP1, two processes on CPU over gloo, two GRPO steps each: the rollout
-runs on the engine over full weights gathered once (`trainer/full_weights.py`), with no collective in it, the
+runs on the engine (with and without a LoRA adapter) over full weights gathered once (`trainer/full_weights.py`), with no collective in it, the
 weights are resharded after it, and training matches the same run under DDP.
 
 accelerate runs FSDP on accelerators only; the worker (`fsdp_worker.py`) puts accelerate's FSDP state back on CPU
@@ -28,7 +28,7 @@ LAUNCH = {
     "fsdp1": ["--use_fsdp", "--fsdp_version", "1", *WRAP, "--fsdp_sharding_strategy", "FULL_SHARD",
               "--fsdp_use_orig_params", "true", "--fsdp_sync_module_states", "false"],
 }
-PORTS = {"ddp": 29611, "fsdp2": 29612, "fsdp1": 29613, "ddp+lora": 29614, "fsdp2+lora": 29615}
+PORTS = {"ddp": 29611, "fsdp2": 29612, "fsdp1": 29613, "ddp+lora": 29614, "fsdp2+lora": 29615, "fsdp1+lora": 29616}
 
 
 def launch(mode: str, out: Path) -> list[dict]:
@@ -54,7 +54,7 @@ def runs(tmp_path_factory):
     return get
 
 
-SHARDED = ["fsdp2", "fsdp1", "fsdp2+lora"]
+SHARDED = ["fsdp2", "fsdp1", "fsdp2+lora", "fsdp1+lora"]
 
 
 @pytest.mark.parametrize("mode", SHARDED)
