@@ -39,8 +39,11 @@ class InfiniteGRPOTrainer(GRPOTrainer):
       background thread with `rollout_reward_executor="thread"`); TRL's own `_calculate_rewards` then reads them.
     - The backward pass runs on micro batches of similar-length completions, each padded to its own longest
       (TRL's own micro batches and forward where the training forward is random, e.g. dropout: `stochastic.py`).
-    With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...)
-    or PEFT prompt learning, generation is TRL's own (one warning says why); the last point still applies.
+    - Under FSDP1 / FSDP2 each rollout runs on the full weights, gathered once for it and resharded after it
+      (`full_weights.py`).
+    With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...),
+    PEFT prompt learning or ZeRO-3 with `ds3_gather_for_generation=False`, generation is TRL's own (one warning says
+    why); the last point still applies.
     """
 
     def __init__(self, *args, **kwargs):
