@@ -126,13 +126,23 @@ class RecordingTrainer(InfiniteGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.record = {"rollout_collectives": [], "during": [], "after": [], "greedy": []}
+        self.unsupported = False
 
     def _generate(self, prompts):
         out = super()._generate(prompts)
         self.record["after"].append(sharded_storage(self))
         return out
 
+    def _get_engine(self, model):
+        if self.unsupported:  # the engine's full support contract failing at its first call
+            from trl_infinite.engine.model.support import UnsupportedModelError
+
+            raise UnsupportedModelError("the test's model fails the engine's support contract")
+        return super()._get_engine(model)
+
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if self.unsupported:
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with CollectiveCounter() as counter:
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             self.record["during"].append(sharded_storage(self))
@@ -169,7 +179,7 @@ def main(out_dir: str, mode: str) -> None:
         save_strategy="no", disable_tqdm=True, seed=0, rollout_max_active_sequences=2, rollout_kv_cache_tokens=512,
     )
     peft_config = None
-    if mode.endswith("+lora"):
+    if "+lora" in mode:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -179,6 +189,7 @@ def main(out_dir: str, mode: str) -> None:
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer(), callbacks=[snapshots],
     )
     snapshots.trainer = trainer
+    trainer.unsupported = mode.endswith("+unsupported")
     trainer.train()
     torch.save(
         {

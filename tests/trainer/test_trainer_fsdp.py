@@ -28,13 +28,14 @@ LAUNCH = {
     "fsdp1": ["--use_fsdp", "--fsdp_version", "1", *WRAP, "--fsdp_sharding_strategy", "FULL_SHARD",
               "--fsdp_use_orig_params", "true", "--fsdp_sync_module_states", "false"],
 }
-PORTS = {"ddp": 29611, "fsdp2": 29612, "fsdp1": 29613, "ddp+lora": 29614, "fsdp2+lora": 29615, "fsdp1+lora": 29616}
+PORTS = {"ddp": 29611, "fsdp2": 29612, "fsdp1": 29613, "ddp+lora": 29614, "fsdp2+lora": 29615, "fsdp1+lora": 29616,
+         "fsdp1+unsupported": 29617}
 
 
 def launch(mode: str, out: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[mode.removesuffix("+lora")],
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[mode.split("+")[0]],
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(PORTS[mode]), str(WORKER), str(out), mode]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -101,3 +102,12 @@ def test_training_matches_ddp(runs, mode):
                 torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"step {step}: {name}")
         moved = [name for name in ddp["steps"][0] if not torch.equal(ddp["steps"][0][name], ddp["steps"][1][name])]
         assert moved
+
+
+def test_an_engine_refusing_the_model_falls_back_inside_the_gathered_window(runs):
+    """The engine's support contract failing at its first call (inside the FSDP1 rollout's summoned window): TRL's
+    own generation runs there (its `summon_full_params(recurse=False)` would nest in the window's, which FSDP1
+    refuses), with the reason recorded, and training goes on on TRL's path."""
+    for r in runs("fsdp1+unsupported"):
+        assert not r["uses_engine"] and r["fallback"] == ["the test's model fails the engine's support contract"]
+        assert len(r["steps"]) == 2 and r["after"][-1]["gathered_bytes"] == 0

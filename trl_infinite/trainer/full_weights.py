@@ -24,6 +24,7 @@ prompts; nothing inside runs one. Each process still generates only its own prom
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,3 +113,20 @@ def rollout_weights(model_wrapped: torch.nn.Module, fsdp_version: int | None) ->
             yield
     else:
         yield
+
+
+@contextmanager
+def trl_summon_skipped(trainer) -> Iterator[None]:
+    """TRL's own generation run inside a rollout's gathered window (the engine's support contract failed at its
+    first call): under FSDP1 TRL's `_dist.summon_full_params(recurse=False)` would nest in the window's summon, which
+    FSDP1 refuses, and every parameter is summoned already, so TRL's backend sees no FSDP1 for the call."""
+    dist = trainer._dist
+    if not getattr(trainer, "_weights_gathered", False) or dist.fsdp_version != 1:
+        yield
+        return
+    trainer._dist = copy.copy(dist)
+    trainer._dist.fsdp_version = None
+    try:
+        yield
+    finally:
+        trainer._dist = dist

@@ -14,7 +14,7 @@ from trl_infinite.engine import RolloutEngine
 from trl_infinite.engine.model.support import UnsupportedModelError, check_structure
 from trl_infinite.engine.runner import host_memory
 from trl_infinite.trainer.config import engine_config_from_args
-from trl_infinite.trainer.full_weights import rollout_weights
+from trl_infinite.trainer.full_weights import rollout_weights, trl_summon_skipped
 from trl_infinite.trainer.generation_config import engine_fallback_reasons
 from trl_infinite.trainer.logprobs import HeadSpec
 from trl_infinite.trainer.loss_metrics import TrlSetMetrics
@@ -151,9 +151,11 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         # under FSDP the engine runs on the full weights, gathered once for the rollout (`full_weights.py`)
         gather = self.uses_engine and getattr(self, "_dist", None) is not None
         with rollout_weights(self.model_wrapped, self._dist.fsdp_version if gather else None):
+            self._weights_gathered = gather
             try:
                 return super()._generate(prompts)
             finally:
+                self._weights_gathered = False
                 self._rollout_turn = None
                 engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
                 if engine is not None:
@@ -178,8 +180,9 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             self._stream_slot.stream = None  # nothing was generated: TRL's path scores the batch after generation
             self.engine_fallback_reasons.append(str(err))
             self._warn_fallback(stacklevel=2)
-            return self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                              has_tool_images)
+            with trl_summon_skipped(self):  # inside the rollout's gathered window
+                return self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                  has_tool_images)
 
     def reset_prefix_cache(self) -> None:
         """The policy's weights changed (an optimizer step, a weight load: reported by the trainer itself; call it
