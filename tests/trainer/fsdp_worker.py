@@ -125,7 +125,7 @@ class RecordingTrainer(InfiniteGRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record = {"rollout_collectives": [], "during": [], "after": [], "greedy": []}
+        self.record = {"rollout_collectives": [], "during": [], "after": [], "greedy": [], "order": []}
         self.unsupported = False
 
     def _generate(self, prompts):
@@ -138,7 +138,19 @@ class RecordingTrainer(InfiniteGRPOTrainer):
             from trl_infinite.engine.model.support import UnsupportedModelError
 
             raise UnsupportedModelError("the test's model fails the engine's support contract")
-        return super()._get_engine(model)
+        engine = super()._get_engine(model)
+        # the order of a rollout: engine (and its pool) inside the gathered window, pool released before the reshard
+        self.record["order"].append(("engine", sharded_storage(self)["gathered_bytes"]))
+        if not hasattr(engine, "_recorded_release"):
+            release = engine.release_pool
+
+            def recorded_release():
+                self.record["order"].append(("release_pool", sharded_storage(self)["gathered_bytes"]))
+                release()
+
+            engine.release_pool = recorded_release
+            engine._recorded_release = True
+        return engine
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         if self.unsupported:

@@ -90,6 +90,16 @@ def test_the_gathered_weights_are_freed_after_the_rollout(runs, mode):
 
 
 @pytest.mark.parametrize("mode", SHARDED)
+def test_the_rollout_gathers_then_builds_the_pool_then_releases_it_then_reshards(runs, mode):
+    """Each rollout: the engine is asked for (and its KV pool opened, so sized from what the gather left) while the
+    weights are gathered, its pool released while they still are, and no gathered storage after the rollout."""
+    for r in runs(mode):
+        assert [event for event, _ in r["order"]] == ["engine", "release_pool"] * 2
+        assert all(gathered > 0 for _, gathered in r["order"])
+        assert [after["gathered_bytes"] for after in r["after"]] == [0, 0]
+
+
+@pytest.mark.parametrize("mode", SHARDED)
 def test_training_matches_ddp(runs, mode):
     """Every parameter after each of the two steps equals the DDP run's within 1e-6 (module docstring), on both
     processes, and the steps moved them."""
