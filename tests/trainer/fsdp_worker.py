@@ -1,6 +1,7 @@
 """Worker of `test_trainer_fsdp.py`, run as two processes by `accelerate launch` on CPU (gloo): two GRPO steps of
 `InfiniteGRPOTrainer` under the accelerate setup given as the second argument (`ddp`, `fsdp1`, `fsdp2`; `+lora`
-adds a LoRA adapter); writes what it saw to `<out>/rank<i>.pt`.
+adds a LoRA adapter, `+unsupported` makes the engine refuse the model at its first call); writes what it saw to
+`<out>/rank<i>.pt`.
 
 accelerate runs FSDP on accelerators only: on CPU its state is `MULTI_CPU` and the FSDP plugin built from the launch
 flags (`--use_fsdp --fsdp_version N ...`) is dropped. `cpu_fsdp` puts it back (the state's distributed type and
@@ -176,9 +177,12 @@ class StepSnapshots(TrainerCallback):
     def __init__(self):
         self.trainer = None
         self.steps: list[dict[str, torch.Tensor]] = []
+        self.stale: list[bool | None] = []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(full_state(self.trainer))
+        engine = self.trainer._engine  # the optimizer step was reported to it: nothing it cached is reused
+        self.stale.append(None if engine is None else engine.weights.stale)
 
 
 def main(out_dir: str, mode: str) -> None:
@@ -207,6 +211,7 @@ def main(out_dir: str, mode: str) -> None:
         {
             **trainer.record,
             "steps": snapshots.steps,
+            "stale_after_step": snapshots.stale,
             "uses_engine": trainer.uses_engine,
             "fallback": trainer.engine_fallback_reasons,
             "distributed_type": str(trainer.accelerator.distributed_type),

@@ -97,6 +97,7 @@ def test_the_rollout_gathers_then_builds_the_pool_then_releases_it_then_reshards
         assert [event for event, _ in r["order"]] == ["engine", "release_pool"] * 2
         assert all(gathered > 0 for _, gathered in r["order"])
         assert [after["gathered_bytes"] for after in r["after"]] == [0, 0]
+        assert r["stale_after_step"] == [True, True]  # each optimizer step reported to the engine
 
 
 @pytest.mark.parametrize("mode", SHARDED)
