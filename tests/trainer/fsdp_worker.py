@@ -100,11 +100,12 @@ def sharded_storage(trainer) -> dict:
     model = trainer.model_wrapped
     params = {n: (type(p).__name__, tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape))
               for n, p in model.named_parameters()}
-    gathered = 0
+    gathered, reshard = 0, []
     if trainer._dist.fsdp_version == 2:
         from trl_infinite.trainer.full_weights import fsdp2_modules
 
         for m in fsdp2_modules(model):
+            reshard.append([g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups])
             for group in m._get_fsdp_state()._fsdp_param_groups:
                 for fp in group.fsdp_params:
                     unsharded = getattr(fp, "_unsharded_param", None)
@@ -114,10 +115,11 @@ def sharded_storage(trainer) -> dict:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         for m in FSDP.fsdp_modules(model):
+            reshard.append(str(m._handle._sharding_strategy) if m._handle else None)
             padded = getattr(m._handle.flat_param, "_full_param_padded", None) if m._handle else None
             if padded is not None:
                 gathered += padded.untyped_storage().nbytes()
-    return {"params": params, "gathered_bytes": gathered}
+    return {"params": params, "gathered_bytes": gathered, "reshard_after_forward": reshard}
 
 
 class RecordingTrainer(InfiniteGRPOTrainer):
@@ -130,6 +132,7 @@ class RecordingTrainer(InfiniteGRPOTrainer):
         self.unsupported = False
 
     def _generate(self, prompts):
+        self.record.setdefault("before", []).append(sharded_storage(self))
         out = super()._generate(prompts)
         self.record["after"].append(sharded_storage(self))
         return out

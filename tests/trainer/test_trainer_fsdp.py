@@ -98,6 +98,10 @@ def test_the_rollout_gathers_then_builds_the_pool_then_releases_it_then_reshards
         assert all(gathered > 0 for _, gathered in r["order"])
         assert [after["gathered_bytes"] for after in r["after"]] == [0, 0]
         assert r["stale_after_step"] == [True, True]  # each optimizer step reported to the engine
+        # FSDP's reshard-after-forward settings (FSDP2 per param group, FSDP1 the handles' strategies) as before
+        for before, during, after in zip(r["before"], r["during"], r["after"]):
+            assert after["reshard_after_forward"] == before["reshard_after_forward"]
+            assert during["reshard_after_forward"] != before["reshard_after_forward"]
 
 
 @pytest.mark.parametrize("mode", SHARDED)
