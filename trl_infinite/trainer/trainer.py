@@ -64,6 +64,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards") if thread else None)
         self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
         self._rollout_turn: int | None = None  # engine calls so far in the running `_generate` (None: outside)
+        self._weights_gathered = False  # inside a rollout's gathered-weights window (`full_weights.py`)
         self.engine_fallback_reasons: list[str] = []
         if not (self.use_vllm or self.use_transformers_continuous_batching):
             self.engine_fallback_reasons = engine_fallback_reasons(
