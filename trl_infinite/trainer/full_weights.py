@@ -80,8 +80,8 @@ def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[None]:
 def fsdp1_unsharded(model: torch.nn.Module) -> Iterator[None]:
     """Every FSDP1 flat parameter of `model` unsharded (`summon_full_params(recurse=True, writeback=False)`) and
     kept so by the forwards run inside: a `FULL_SHARD` / `HYBRID_SHARD` module frees its gathered parameters after
-    each forward and all-gathers them again in the next (a collective per layer per forward, measured: 36 to 54 on
-    two processes for one rollout of the tests' model, unequal between them), so for the rollout each handle runs
+    each forward and all-gathers them again in the next (collectives per layer per forward, measured: 54 and 36 in
+    one process's two rollouts of the tests' model, following its own decode steps), so for the rollout each handle runs
     as its no-reshard-after-forward counterpart (`SHARD_GRAD_OP`, `_HYBRID_SHARD_ZERO2`: the forward keeps the
     gathered storage and only switches views). On exit the strategies come back and the summon frees the
     gathered storage."""
