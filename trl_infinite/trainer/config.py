@@ -169,8 +169,9 @@ def rollout_field_names(args) -> list[str]:
     return [f.name for f in fields(args) if f.name.startswith(PREFIX) and f.name not in TRAINER_ONLY]
 
 
-def engine_config_from_args(args) -> EngineConfig:
-    """`EngineConfig` from the `rollout_*` fields: `rollout_<flag>` -> the setting of that flag."""
+def engine_config_from_args(args, **overrides) -> EngineConfig:
+    """`EngineConfig` from the `rollout_*` fields: `rollout_<flag>` -> the setting of that flag; `overrides`: flags
+    set by the trainer whatever the fields say."""
     engine_flags = {f.name for f in flags(EngineConfig)}
     kwargs = {}
     for name in rollout_field_names(args):
@@ -178,6 +179,7 @@ def engine_config_from_args(args) -> EngineConfig:
         if key not in engine_flags:
             raise ValueError(f"`{name}` has no matching `EngineConfig` setting `{key}`.")
         kwargs[key] = getattr(args, name)
+    kwargs.update(overrides)
     try:
         return EngineConfig(**kwargs)
     except ValueError as err:

@@ -50,12 +50,13 @@ def engine_fallback_reasons(
     model: torch.nn.Module, generation_config: GenerationConfig | None, dist=None, ds3_gather: bool = True
 ) -> list[str]:
     """Why the engine cannot run this trainer's rollouts exactly (empty: it can). `dist` is TRL's
-    `DistributedBackend` (`is_fsdp`, `is_zero3`); `ds3_gather` is `args.ds3_gather_for_generation`."""
+    `DistributedBackend` (`is_zero3`); `ds3_gather` is `args.ds3_gather_for_generation`. FSDP (1 and 2) is no
+    reason: the trainer gathers the full weights for each rollout (`full_weights.py`)."""
     reasons = []
-    if dist is not None and dist.is_fsdp:
-        reasons.append(f"FSDP keeps the parameters sharded during the rollout: {_COLLECTIVE_FORWARD}")
-    elif dist is not None and dist.is_zero3 and not ds3_gather:
-        reasons.append(f"ZeRO-3 with `ds3_gather_for_generation=False`: {_COLLECTIVE_FORWARD}")
+    if dist is not None and dist.is_zero3 and not ds3_gather:
+        reasons.append(f"ZeRO-3 with `ds3_gather_for_generation=False` keeps the parameters sharded during the "
+                       f"rollout: {_COLLECTIVE_FORWARD}; set `ds3_gather_for_generation=True` (the default) to run "
+                       "the engine on the gathered weights")
     if generation_config is not None:
         bad = unsupported_generation_keys(effective_generation_config(model, generation_config))
         if bad:

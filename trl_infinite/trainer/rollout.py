@@ -214,8 +214,9 @@ def _turn_based(trainer) -> bool:
 
 @contextmanager
 def generation_model(trainer):
-    """The trained model, unwrapped (ZeRO-3 / FSDP parameters gathered) exactly as TRL does for `generate`, in eval
-    mode (no dropout) for the duration of the rollout."""
+    """The trained model, unwrapped (ZeRO-3 parameters gathered) exactly as TRL does for `generate`, in eval mode (no
+    dropout) for the duration of the rollout. Under FSDP the trainer gathered every parameter for the whole rollout
+    already (`full_weights.rollout_weights`, in `InfiniteGRPOTrainer._generate`)."""
     with (
         unwrap_model_for_generation(
             trainer.model_wrapped,
@@ -224,7 +225,6 @@ def generation_model(trainer):
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as model,
         torch.no_grad(),
-        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
     ):
         was_training = model.training
         model.eval()

@@ -14,6 +14,7 @@ from trl_infinite.engine import RolloutEngine
 from trl_infinite.engine.model.support import UnsupportedModelError, check_structure
 from trl_infinite.engine.runner import host_memory
 from trl_infinite.trainer.config import engine_config_from_args
+from trl_infinite.trainer.full_weights import rollout_weights, trl_summon_skipped
 from trl_infinite.trainer.generation_config import engine_fallback_reasons
 from trl_infinite.trainer.logprobs import HeadSpec
 from trl_infinite.trainer.loss_metrics import TrlSetMetrics
@@ -39,13 +40,19 @@ class InfiniteGRPOTrainer(GRPOTrainer):
       background thread with `rollout_reward_executor="thread"`); TRL's own `_calculate_rewards` then reads them.
     - The backward pass runs on micro batches of similar-length completions, each padded to its own longest
       (TRL's own micro batches and forward where the training forward is random, e.g. dropout: `stochastic.py`).
-    With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...)
-    or PEFT prompt learning, generation is TRL's own (one warning says why); the last point still applies.
+    - Under FSDP1 / FSDP2 each rollout runs on the full weights, gathered once for it and resharded after it
+      (`full_weights.py`).
+    With `use_vllm=True`, `use_transformers_paged=True`, `generation_kwargs` the engine cannot run (beam search, ...),
+    PEFT prompt learning or ZeRO-3 with `ds3_gather_for_generation=False`, generation is TRL's own (one warning says
+    why); the last point still applies.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.engine_config = engine_config_from_args(self.args)
+        # FSDP1 switches a module's parameters between views of its gathered and its sharded storage at every
+        # forward, which would undo the 16-bit weight copy's swap: the engine runs on the weights as FSDP gives them
+        fsdp1 = getattr(self._dist, "fsdp_version", None) == 1
+        self.engine_config = engine_config_from_args(self.args, **({"weight_copy": "off"} if fsdp1 else {}))
         self._engine: RolloutEngine | None = None
         # optimizer steps and weight loads reach the engine (its cache across rollouts: `weight_events.py`)
         self._weight_events = WeightEvents(self.reset_prefix_cache)
@@ -58,6 +65,7 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-infinite-rewards") if thread else None)
         self.reward_funcs = wrap_reward_funcs(self.reward_funcs, self._stream_slot)
         self._rollout_turn: int | None = None  # engine calls so far in the running `_generate` (None: outside)
+        self._weights_gathered = False  # inside a rollout's gathered-weights window (`full_weights.py`)
         self.engine_fallback_reasons: list[str] = []
         if not (self.use_vllm or self.use_transformers_continuous_batching):
             self.engine_fallback_reasons = engine_fallback_reasons(
@@ -143,15 +151,20 @@ class InfiniteGRPOTrainer(GRPOTrainer):
         (`weight_events.py`)."""
         self._stream_slot.prompts = prompts
         self._rollout_turn = 0
-        try:
-            return super()._generate(prompts)
-        finally:
-            self._rollout_turn = None
-            engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
-            if engine is not None:
-                engine.release_pool()
-            if getattr(self, "host_tensor_cache", False):
-                host_memory.trim()  # the rollout's freed blocks, before the loss's forward and backward
+        # under FSDP the engine runs on the full weights, gathered once for the rollout (`full_weights.py`)
+        gather = self.uses_engine and getattr(self, "_dist", None) is not None
+        with rollout_weights(self.model_wrapped, self._dist.fsdp_version if gather else None):
+            self._weights_gathered = gather
+            try:
+                return super()._generate(prompts)
+            finally:
+                self._weights_gathered = False
+                self._rollout_turn = None
+                engine = getattr(self, "_engine", None)  # (TRL's tests build trainers without `__init__`)
+                if engine is not None:
+                    engine.release_pool()  # before the weights are resharded
+                if getattr(self, "host_tensor_cache", False):
+                    host_memory.trim()  # the rollout's freed blocks, before the loss's forward and backward
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Engine rollout for rows that hold each prompt `num_generations` times in a row (TRL's layout); the tool
@@ -170,8 +183,9 @@ class InfiniteGRPOTrainer(GRPOTrainer):
             self._stream_slot.stream = None  # nothing was generated: TRL's path scores the batch after generation
             self.engine_fallback_reasons.append(str(err))
             self._warn_fallback(stacklevel=2)
-            return self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                              has_tool_images)
+            with trl_summon_skipped(self):  # inside the rollout's gathered window
+                return self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                  has_tool_images)
 
     def reset_prefix_cache(self) -> None:
         """The policy's weights changed (an optimizer step, a weight load: reported by the trainer itself; call it
