@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import tiny_model
-from test_shared_prefix import assert_close, loss_and_grads, trainers, trl_batch
+from test_shared_prefix import assert_same_loss_and_grads, loss_and_grads, trainers, trl_batch
 from trainer_helpers import cpu_args
 
 from trl_infinite.trainer import recompute
@@ -60,12 +60,7 @@ def test_slices_that_fit_skip_recomputation_with_trls_loss_and_gradients(tmp_pat
     ref_calls, our_calls = count_recomputations(ref.model), count_recomputations(ours.model)
     for loss_type in ("dapo", "grpo", "bnpo"):
         ref.loss_type = ours.loss_type = loss_type
-        want_loss, want_grads = loss_and_grads(ref, inputs)
-        got_loss, got_grads = loss_and_grads(ours, inputs)
-        assert_close(got_loss, want_loss, f"{loss_type} loss")
-        assert got_grads.keys() == want_grads.keys() and want_grads
-        for name in want_grads:
-            assert_close(got_grads[name], want_grads[name], f"{loss_type} gradient of {name}")
+        assert_same_loss_and_grads(ref, ours, inputs, loss_type)
     assert ref_calls[0] > 0 and our_calls[0] == 0, (ref_calls, our_calls)
     assert all(m.gradient_checkpointing for m in checkpointed_modules(ours.model))  # restored after each slice
 

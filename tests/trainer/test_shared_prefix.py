@@ -105,12 +105,16 @@ def test_shared_prefix_forward_equals_trl_for_every_loss(tmp_path, tokenizer, da
     for loss_type, quantile in [(loss, 1.0) for loss in LOSSES] + [("dapo", 0.5)]:
         ref.loss_type = ours.loss_type = loss_type
         ref.top_entropy_quantile = ours.top_entropy_quantile = quantile  # 0.5: the loss on high-entropy tokens only
-        want_loss, want_grads = loss_and_grads(ref, inputs)
-        got_loss, got_grads = loss_and_grads(ours, inputs)
-        assert_close(got_loss, want_loss, f"{loss_type} loss")
-        assert got_grads.keys() == want_grads.keys() and want_grads
-        for name in want_grads:
-            assert_close(got_grads[name], want_grads[name], f"{loss_type} gradient of {name}")
+        assert_same_loss_and_grads(ref, ours, inputs, loss_type)
+
+
+def assert_same_loss_and_grads(ref, ours, inputs, what: str) -> None:
+    want_loss, want_grads = loss_and_grads(ref, inputs)
+    got_loss, got_grads = loss_and_grads(ours, inputs)
+    assert_close(got_loss, want_loss, f"{what} loss")
+    assert got_grads.keys() == want_grads.keys() and want_grads
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], f"{what} gradient of {name}")
 
 
 @pytest.mark.parametrize("shared", [True, False])
