@@ -106,7 +106,7 @@ class InfiniteGRPOConfig(GRPOConfig):
     )
 
     activation_memory_gb: float | None = field(
-        default=1.0,
+        default=None,
         metadata={
             "help": "With `gradient_checkpointing=True` (TRL's default): the most GB of activations one slice of the "
             "loss may keep for its backward. Slices whose activations fit (measured once per model: the bytes "
@@ -114,7 +114,9 @@ class InfiniteGRPOConfig(GRPOConfig):
             "a checkpointed step; a micro batch is cut into more, smaller slices to fit (see "
             "`backward_token_budget`); where not even 256 tokens fit, every slice recomputes, as TRL does. Same "
             "values either way (`trainer/recompute.py`). DDP or one process, not with `top_entropy_quantile < 1` or "
-            "dropout (TRL's own forward). None: recompute whenever `gradient_checkpointing` is on, as TRL."
+            "dropout (TRL's own forward). None (the default): recompute whenever `gradient_checkpointing` is on, "
+            "as TRL. Measured on CPU (SmolLM2-135M, 8x2@128, one slice of 2,232 tokens): 4.0 takes 7% less CPU time "
+            "per step and 2.7 GB more peak memory; 1.0 cuts the slice into four and saves nothing."
         },
     )
 
