@@ -300,6 +300,7 @@ def make_row(size: Size, kind: str, data: dict, clock: str, base: dict | None) -
             row["note"] = "TRL generate: " + "; ".join(data["engine_fallback_reasons"])[:300]
     row["first_step"] = data["steps"][0]
     row["all_steps"] = data["steps"]
+    row["floor_data"] = data.get("floor")  # lengths, counts and rates: the floor table can be rebuilt from the JSON
     row["config"] = data["config"]
     return row
 
