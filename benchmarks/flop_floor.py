@@ -212,6 +212,36 @@ def measure_rates(shape: ModelShape, rollout_rows: int, device: torch.device, dt
 
 
 # ------------------------------------------------------------------------------------------- the worker's probe
+def _heads_as_query(query, other):
+    """`other`'s shape with the query's batch and heads (grouped-query attention shares K/V heads)."""
+    return (*query[:2], *other[2:])
+
+
+def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query, _heads_as_query(query, key), _heads_as_query(query, value))
+
+
+def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, query, _heads_as_query(query, key), _heads_as_query(query, value))
+
+
+def flop_counter():
+    """`FlopCounterMode` counting totals only (no module hooks: they break on inference-mode tensors), with the CPU
+    flash-attention kernels torch's registry lacks (counted as torch counts its other attention kernels: dense)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward}
+    mode = FlopCounterMode(display=False, custom_mapping=mapping)
+    mode.mod_tracker = _GlobalOnly()
+    return mode
+
+
 class _GlobalOnly:
     """Stands in for `FlopCounterMode`'s module tracker: every count goes to "Global" only, no hooks installed."""
 
@@ -269,11 +299,8 @@ class FloorProbe(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.steps.append({"prompt_lens": None, "completions": None, "counted": None})
         if len(self.steps) == 1 and self.count != "off":
-            from torch.utils.flop_counter import FlopCounterMode
-
             self.steps[-1]["counted"] = {}
-            self._mode = FlopCounterMode(display=False)
-            self._mode.mod_tracker = _GlobalOnly()  # totals only: no module hooks (they break on inference tensors)
+            self._mode = flop_counter()
             self._mode.__enter__()
             self._last = 0
             self.clock.listeners.append(self._on_boundary)
