@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -133,6 +134,7 @@ def plot(rows: list[dict], path: str, memory_label: str) -> None:
 
 def main(argv=None) -> None:
     a, rest = parse_args(argv)
+    signal.signal(signal.SIGTERM, grpo_step._stop_worker)  # a stopped sweep ends its worker too
     points = ordered(a.points)
     probe = step_args(rest, *points[0])
     device = pick_device(probe.device)
