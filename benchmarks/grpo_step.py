@@ -44,6 +44,12 @@ Columns (per (size, trainer), the mean of the steps after the first, which is a 
   `peak_cuda_GB`: `torch.cuda.max_memory_allocated` during a measured step.
 - `mean_len`: TRL's `completions/mean_length` log; `x_trl_cpu`, `x_trl_wall`, `x_trl_rss`: ratios to `GRPOTrainer`
   (same size, same run); `engine`: whether `InfiniteGRPOTrainer` generated on its engine (`uses_engine`).
+- `x_floor`: the step's time over its floor, and a second table "Against the floor" per trainer and phase (rollout,
+  training forward, backward, step): FLOPs counted by `torch.utils.flop_counter.FlopCounterMode` in the warm-up step
+  (untimed; `--count-flops`), the required FLOPs by the formula of `flop_floor.py` (no padding, the prompt once per
+  group, each completion token once, backward 2x forward, recomputation only when one sample's activations exceed
+  `--floor-memory-gb`), the GEMM rate measured in the worker after its steps at the model's linear shapes, and
+  time / floor (columns in `floor_table.py`). The JSON keeps each worker's lengths, counts and rates (`floor_data`).
 A worker that fails or is killed (e.g. out of memory) is a row with the reason in `note`; the script then exits 1.
 
     python benchmarks/grpo_step.py                                   # SmolLM2 + GSM8K, the three sizes, CPU
@@ -57,13 +63,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
 import sys
 import tempfile
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,36 +77,13 @@ import torch  # noqa: E402
 from common import Table, pick_device, run_header, save_json, trace_lengths, write_results  # noqa: E402
 from floor_table import FLOOR_COLUMNS, floor_header, floor_rows, machine_memory_bytes  # noqa: E402
 from flop_floor import COUNT_MODES, FloorProbe, count_mode, floor_summary  # noqa: E402
+from grpo_rows import GB, MODELS, PHASE_COLUMNS, TRAINERS, Size, add_ratios, make_row  # noqa: E402, F401
 from grpo_setup import build_trainer, config_summary, gsm8k_path  # noqa: E402
 from grpo_workers import _max, _mean, _stop_worker, run_subprocess  # noqa: E402, F401 (re-exported)
 
-TRAINERS = {"trl": "GRPOTrainer", "trl_cb": "GRPOTrainer+cb", "infinite": "InfiniteGRPOTrainer"}
-MODELS = ("smollm2", "qwen3-0.6b", "qwen3-1.7b", "tiny")
 DEFAULT_SIZES = ("8x2@128", "16x1@256", "32x1@256")
-PHASE_COLUMNS = {"rollout": "rollout_s", "reward": "reward_s", "forward": "forward_s", "backward": "backward_s",
-                 "optim": "optim_s"}
 COLUMNS = ["size", "trainer", "cpu_s", "wall_s", *PHASE_COLUMNS.values(), "other_s", "peak_rss_GB", "process_rss_GB",
            "peak_cuda_GB", "mean_len", "x_trl_cpu", "x_trl_wall", "x_trl_rss", "x_floor", "engine", "note"]
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Size:
-    G: int
-    prompts: int
-    max_len: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.G}x{self.prompts}@{self.max_len}"
-
-    @classmethod
-    def parse(cls, text: str) -> Size:
-        m = re.fullmatch(r"(\d+)x(\d+)@(\d+)", text)
-        if m is None or min(map(int, m.groups())) < 1 or int(m.group(1)) < 2:
-            raise argparse.ArgumentTypeError(f"a size is GxP@L with G >= 2, P >= 1, L >= 1 (e.g. 8x2@128), got "
-                                             f"{text!r}")
-        return cls(*map(int, m.groups()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -254,55 +235,6 @@ def worker_argv(a, kind: str, size: Size, result: str) -> list[str]:
 def run_order(trainers: list[str]) -> list[str]:
     """The trainers in the order `--trainers` gives them, each once."""
     return list(dict.fromkeys(trainers))
-
-
-def add_ratios(row: dict, base: dict) -> None:
-    """`x_trl_*`: `row` over GRPOTrainer's row `base` of the same size (nothing when that row failed)."""
-    if "cpu_s" not in base:
-        return
-    row["x_trl_cpu"] = row["cpu_s"] / base["cpu_s"]
-    row["x_trl_wall"] = row["wall_s"] / base["wall_s"]
-    if row["peak_rss_GB"] is not None and base.get("peak_rss_GB"):
-        row["x_trl_rss"] = row["peak_rss_GB"] / base["peak_rss_GB"]
-
-
-def make_row(size: Size, kind: str, data: dict, clock: str, base: dict | None) -> dict:
-    """The table row of one worker: means over the measured steps (all but the first), peaks over them."""
-    row = {"size": size.name, "trainer": TRAINERS[kind]}
-    if "error" in data:
-        return {**row, "note": f"FAILED: {data['error']}", "failed": True}
-    steps = data["steps"][1:]
-    phases_key = "phases_cpu" if clock == "cpu" else "phases_wall"
-    total_key = "cpu_s" if clock == "cpu" else "wall_s"
-    row["cpu_s"] = _mean(s["cpu_s"] for s in steps)
-    row["wall_s"] = _mean(s["wall_s"] for s in steps)
-    named = 0.0
-    for phase, column in PHASE_COLUMNS.items():
-        row[column] = _mean(s[phases_key][phase] for s in steps)
-        named += row[column]
-    row["other_s"] = row[total_key] - named
-    peak_rss = _max(s["peak_rss_bytes"] for s in steps)
-    peak_cuda = _max(s["peak_cuda_bytes"] for s in steps)
-    row["peak_rss_GB"] = peak_rss / GB if peak_rss is not None else None
-    row["process_rss_GB"] = data["process_peak_rss_bytes"] / GB
-    row["peak_cuda_GB"] = peak_cuda / GB if peak_cuda is not None else None
-    row["mean_len"] = _mean(s["mean_len"] for s in steps)
-    row["gen_and_score_s"] = _mean(s["inclusive_cpu" if clock == "cpu" else "inclusive_wall"]
-                                   .get("_generate_and_score_completions") for s in steps)
-    if kind == "trl":
-        row["x_trl_cpu"] = row["x_trl_wall"] = 1.0
-        row["x_trl_rss"] = 1.0 if row["peak_rss_GB"] is not None else None
-    elif base is not None:
-        add_ratios(row, base)
-    if kind == "infinite":
-        row["engine"] = "yes" if data.get("uses_engine") else "NO"
-        if data.get("engine_fallback_reasons"):
-            row["note"] = "TRL generate: " + "; ".join(data["engine_fallback_reasons"])[:300]
-    row["first_step"] = data["steps"][0]
-    row["all_steps"] = data["steps"]
-    row["floor_data"] = data.get("floor")  # lengths, counts and rates: the floor table can be rebuilt from the JSON
-    row["config"] = data["config"]
-    return row
 
 
 def header_for(a, device: torch.device, clock: str) -> dict:
