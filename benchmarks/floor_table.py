@@ -104,3 +104,52 @@ def floor_header(floor_data: dict | None, budget: float) -> dict:
                           f"{r['train_rows']} rows, {r['dtype']}, the model's linear shapes, in the worker "
                           f"(first worker's figures; each worker's floor uses its own)"),
             "copy bandwidth": f"{r['bandwidth'] / 1e9:.1f} GB/s (Tensor.copy_, read + write)"}
+
+
+def rebuild(path: str, remeasure: bool, threads: int, out: str | None) -> list[dict]:
+    """The floor table of a `grpo_step.py` / `grpo_scaling.py` JSON rebuilt from its rows' `floor_data`; with
+    `remeasure`, the GEMM rates and bandwidth measured again in this process (`threads` torch threads, CPU) instead
+    of the workers' own, stated in the output."""
+    import json
+    from pathlib import Path
+
+    from flop_floor import measure_rates
+
+    data = json.loads(Path(path).read_text())
+    clock = "wall" if "wall" in str(data.get("phase clock", "cpu")) else "cpu"
+    budget = float(data.get("floor_memory_bytes") or machine_memory_bytes(torch.device("cpu")))
+    torch.set_num_threads(threads)
+    cache: dict = {}
+    rows = []
+    for row in data["rows"]:
+        floor = row.get("floor_data")
+        if not floor:
+            continue
+        if remeasure:
+            key = floor["rates"]["rollout_rows"]
+            if key not in cache:
+                shape = _shape(floor)
+                dtype = getattr(torch, floor["rates"]["dtype"])
+                cache[key] = vars(measure_rates(shape, key, torch.device("cpu"), dtype))
+            floor = {**floor, "rates": cache[key]}
+        size = row.get("size") or f"{row['G']}x1@{row['L']}"
+        rows += floor_rows(size, row["trainer"], {"floor": floor}, dict(row), clock, budget)
+    if out:
+        Path(out).write_text(json.dumps({"source": path, "remeasured": remeasure, "threads": threads,
+                                         "rates": cache, "floor_rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from common import Table
+
+    p = argparse.ArgumentParser(description=rebuild.__doc__)
+    p.add_argument("json")
+    p.add_argument("--remeasure", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    t = Table(FLOOR_COLUMNS, rebuild(a.json, a.remeasure, a.threads, a.out))
+    print(t.markdown())

@@ -126,6 +126,10 @@ def test_scaling_table_and_png(tmp_path, monkeypatch):
         assert r["x_first"] == pytest.approx(r["ms_per_token"] / first["ms_per_token"])
     assert "| 2 | 8 | InfiniteGRPOTrainer |" in out.with_suffix(".md").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the floor table rebuilt from the JSON alone (the workers' rates) gives the rows' x_floor back
+    rebuilt = importlib.import_module("floor_table").rebuild(str(out), remeasure=False, threads=1, out=None)
+    steps = [r for r in rebuilt if r["phase"] == "step"]
+    assert [r["x_floor"] for r in steps] == pytest.approx([r["x_floor"] for r in rows])
 
 
 if __name__ == "__main__":
