@@ -167,10 +167,10 @@ def main(argv=None) -> None:
                 failed |= bool(row.get("failed"))
                 table.add(**row)
                 add_relative(table.rows)
-                save_json(a.json, header, table, {})
+                save_json(a.json, header, table, {"floor_memory_bytes": budget})
                 if a.png:
                     plot(table.rows, a.png, header["memory"])
-    write_results(a.json, header, table, {})
+    write_results(a.json, header, table, {"floor_memory_bytes": budget})
     if a.png:
         print(f"wrote {a.png}")
     if failed:

@@ -295,7 +295,7 @@ def main(argv=None) -> None:
     configs = {}
     floor_table = Table(FLOOR_COLUMNS)
     budget = a.floor_memory_gb * 1e9 if a.floor_memory_gb is not None else machine_memory_bytes(device)
-    extra = {"configs": configs, "floor_rows": floor_table.rows}
+    extra = {"configs": configs, "floor_rows": floor_table.rows, "floor_memory_bytes": budget}
     if a.lengths == "forced":
         extra["forced_lengths"] = {size.name: forced_calls(a, size)[0] for size in a.sizes}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
