@@ -266,7 +266,14 @@ class FloorProbe(TrainerCallback):
 
     def _recording(self, rollout):
         def wrapper(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-            out = rollout(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+            if self._mode is not None and self.count == "warmup-training":
+                # the rollout runs with no dispatch mode at all (CUDA graph capture, compiled steps as without it)
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():
+                    out = rollout(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+            else:
+                out = rollout(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
             if self.steps and self.steps[-1]["completions"] is None:  # the step's first (outer) call
                 g = num_generations
                 lens = [len(c) for c in out[0]]

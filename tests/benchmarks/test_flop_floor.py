@@ -99,6 +99,16 @@ def test_worker_reports_the_floor(kind):
         assert rows[2]["counted_GFLOP"] > 2.5 * rows[1]["req1_GFLOP"]
 
 
+def test_training_only_count_leaves_the_rollout_alone():
+    """`--count-flops warmup-training` (CUDA's default): the rollout runs outside the counter, the training phases
+    are counted."""
+    grpo_step = importlib.import_module("grpo_step")
+    a = grpo_step.parse_args([*ARGS, "--sizes", "2x1@6", "--lengths", "forced", "--mean", "4",
+                              "--count-flops", "warmup-training"])
+    counted = grpo_step.run_worker(a, "infinite", a.sizes[0])["floor"]["steps"][0]["counted"]
+    assert counted["rollout"] is None and counted["forward"] > 0 and counted["backward"] > 0
+
+
 def test_scaling_table_and_png(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     grpo_step = importlib.import_module("grpo_step")
