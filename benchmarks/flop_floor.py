@@ -127,7 +127,7 @@ def required_flops(shape: ModelShape, prompt_lens: list[int], completions: list[
         rollout += prompt + 2 * shape.head_params + own + sum(2 * shape.head_params * (c - 1) for c in group)
         forward += prompt + own + sum(2 * shape.head_params * c for c in group)
         body_fwd += prompt + own
-        kv_bytes += max((max(group) - 1, 0)) * p * kv_token  # the prompt once per decode step while the group runs
+        kv_bytes += max(max(group) - 1, 0) * p * kv_token  # the prompt once per decode step while the group runs
         kv_bytes += sum((c - 1) * c // 2 for c in group) * kv_token  # each sample's own tokens so far
         longest = max(longest, p + max(group, default=0))
     recompute = shape.activation_bytes_per_token() * longest > memory_budget_bytes
