@@ -133,7 +133,12 @@ def rebuild(path: str, remeasure: bool, threads: int, out: str | None) -> list[d
                 cache[key] = vars(measure_rates(shape, key, torch.device("cpu"), dtype))
             floor = {**floor, "rates": cache[key]}
         size = row.get("size") or f"{row['G']}x1@{row['L']}"
-        rows += floor_rows(size, row["trainer"], {"floor": floor}, dict(row), clock, budget)
+        row = dict(row)
+        measured = (row.get("all_steps") or [])[1:]
+        for phase, column in TIME_COLUMNS.items():  # grpo_scaling rows keep the phases only per step
+            if column not in row and measured:
+                row[column] = _mean(s["phases_" + clock][phase] for s in measured)
+        rows += floor_rows(size, row["trainer"], {"floor": floor}, row, clock, budget)
     if out:
         Path(out).write_text(json.dumps({"source": path, "remeasured": remeasure, "threads": threads,
                                          "rates": cache, "floor_rows": rows}, indent=1))
