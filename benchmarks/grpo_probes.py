@@ -71,6 +71,7 @@ class PhaseClock:
         self.stack: list[str] = []
         self.peak_rss: dict[str, int] = defaultdict(int)  # phase ("other" outside every phase) -> VmHWM bytes
         self.track_rss = False  # set by `StepProbe` when the high-water mark can be reset
+        self.listeners: list = []  # called with the phase just charged at every boundary (`flop_floor.FloorProbe`)
         self.cpu: dict[str, float] = defaultdict(float)
         self.wall: dict[str, float] = defaultdict(float)
         self.inclusive_cpu: dict[str, float] = defaultdict(float)
@@ -99,6 +100,8 @@ class PhaseClock:
             phase = self.stack[-1] if self.stack else "other"
             self.peak_rss[phase] = max(self.peak_rss[phase], rss_high_water_bytes() or 0)
             reset_rss_high_water()
+        for listener in self.listeners:
+            listener(self.stack[-1] if self.stack else "other")
         self._last = cpu, wall
 
     def enter(self, phase: str) -> None:

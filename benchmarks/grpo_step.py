@@ -44,6 +44,12 @@ Columns (per (size, trainer), the mean of the steps after the first, which is a 
   `peak_cuda_GB`: `torch.cuda.max_memory_allocated` during a measured step.
 - `mean_len`: TRL's `completions/mean_length` log; `x_trl_cpu`, `x_trl_wall`, `x_trl_rss`: ratios to `GRPOTrainer`
   (same size, same run); `engine`: whether `InfiniteGRPOTrainer` generated on its engine (`uses_engine`).
+- `x_floor`: the step's time over its floor, and a second table "Against the floor" per trainer and phase (rollout,
+  training forward, backward, step): FLOPs counted by `torch.utils.flop_counter.FlopCounterMode` in the warm-up step
+  (untimed; `--count-flops`), the required FLOPs by the formula of `flop_floor.py` (no padding, the prompt once per
+  group, each completion token once, backward 2x forward, recomputation only when one sample's activations exceed
+  `--floor-memory-gb`), the GEMM rate measured in the worker after its steps at the model's linear shapes, and
+  time / floor (columns in `floor_table.py`). The JSON keeps each worker's lengths, counts and rates (`floor_data`).
 A worker that fails or is killed (e.g. out of memory) is a row with the reason in `note`; the script then exits 1.
 
     python benchmarks/grpo_step.py                                   # SmolLM2 + GSM8K, the three sizes, CPU
@@ -57,15 +63,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import traceback
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,35 +75,15 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 from common import Table, pick_device, run_header, save_json, trace_lengths, write_results  # noqa: E402
+from floor_table import FLOOR_COLUMNS, floor_header, floor_rows, machine_memory_bytes  # noqa: E402
+from flop_floor import COUNT_MODES, FloorProbe, count_mode, floor_summary  # noqa: E402
+from grpo_rows import GB, MODELS, PHASE_COLUMNS, TRAINERS, Size, add_ratios, make_row  # noqa: E402, F401
 from grpo_setup import build_trainer, config_summary, gsm8k_path  # noqa: E402
+from grpo_workers import _max, _mean, _stop_worker, run_subprocess  # noqa: E402, F401 (re-exported)
 
-TRAINERS = {"trl": "GRPOTrainer", "trl_cb": "GRPOTrainer+cb", "infinite": "InfiniteGRPOTrainer"}
-MODELS = ("smollm2", "qwen3-0.6b", "qwen3-1.7b", "tiny")
 DEFAULT_SIZES = ("8x2@128", "16x1@256", "32x1@256")
-PHASE_COLUMNS = {"rollout": "rollout_s", "reward": "reward_s", "forward": "forward_s", "backward": "backward_s",
-                 "optim": "optim_s"}
 COLUMNS = ["size", "trainer", "cpu_s", "wall_s", *PHASE_COLUMNS.values(), "other_s", "peak_rss_GB", "process_rss_GB",
-           "peak_cuda_GB", "mean_len", "x_trl_cpu", "x_trl_wall", "x_trl_rss", "engine", "note"]
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Size:
-    G: int
-    prompts: int
-    max_len: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.G}x{self.prompts}@{self.max_len}"
-
-    @classmethod
-    def parse(cls, text: str) -> Size:
-        m = re.fullmatch(r"(\d+)x(\d+)@(\d+)", text)
-        if m is None or min(map(int, m.groups())) < 1 or int(m.group(1)) < 2:
-            raise argparse.ArgumentTypeError(f"a size is GxP@L with G >= 2, P >= 1, L >= 1 (e.g. 8x2@128), got "
-                                             f"{text!r}")
-        return cls(*map(int, m.groups()))
+           "peak_cuda_GB", "mean_len", "x_trl_cpu", "x_trl_wall", "x_trl_rss", "x_floor", "engine", "note"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,6 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other InfiniteGRPOConfig field of ours, e.g. backward_token_budget=2048 or "
                    "shared_prefix_training=False (repeatable; ablations)")
+    p.add_argument("--count-flops", choices=COUNT_MODES, default="auto",
+                   help="FlopCounterMode in the warm-up step: every phase (warmup), all but the rollout "
+                   "(warmup-training), none (off); auto: warmup on CPU, warmup-training on CUDA")
+    p.add_argument("--floor-memory-gb", type=float, default=None,
+                   help="memory budget of the floor's recomputation rule (default: host RAM, the GPU's on CUDA)")
     p.add_argument("--json", default=None, help="write the rows as JSON (and the table as .md) here")
     p.add_argument("--worker", choices=list(TRAINERS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -171,13 +158,14 @@ def run_worker(a, kind: str, size: Size) -> dict:
     device = pick_device(a.device)
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
-    instrumented = None
+    instrumented = floor = None
     try:
         trainer = build_trainer(a, kind, size, device)
         forced = None
         if a.lengths == "forced":
             forced = ForcedLengths(forced_calls(a, size)[0], trainer.eos_token_ids)
         instrumented = Instrumented(trainer, forced)
+        floor = FloorProbe(trainer, instrumented.clock, count_mode(a.count_flops, device))
         trainer.train()
         records = instrumented.probe.records
         if len(records) != a.steps:
@@ -203,8 +191,11 @@ def run_worker(a, kind: str, size: Size) -> dict:
             "engine_fallback_reasons": list(getattr(trainer, "engine_fallback_reasons", []) or []),
             "forced_hooks": sorted(forced.used) if forced is not None else None,
             "config": config_summary(trainer.args), "device": str(device), "torch_threads": torch.get_num_threads(),
+            "floor": floor_summary(trainer, floor, size, device, bool(trainer.args.bf16)),  # untimed, after the steps
         }
     finally:
+        if floor is not None:
+            floor.detach()
         if instrumented is not None:
             instrumented.detach()
         torch.set_num_threads(threads)
@@ -228,7 +219,8 @@ def worker_argv(a, kind: str, size: Size, result: str) -> list[str]:
             "--model", a.model, "--sizes", size.name, "--steps", str(a.steps), "--lengths", a.lengths,
             "--mean", str(a.mean), "--sigma", str(a.sigma), "--prompt-len", str(a.prompt_len),
             "--num-prompts", str(a.num_prompts), "--bf16", a.bf16, "--weights-dtype", a.weights_dtype,
-            "--threads", str(a.threads), "--seed", str(a.seed), "--phase-clock", a.phase_clock]
+            "--threads", str(a.threads), "--seed", str(a.seed), "--phase-clock", a.phase_clock,
+            "--count-flops", a.count_flops]
     for flag, value in (("--trace", a.trace), ("--data", a.data), ("--device", a.device),
                         ("--cb-memory-percent", a.cb_memory_percent)):
         if value is not None:
@@ -240,107 +232,9 @@ def worker_argv(a, kind: str, size: Size, result: str) -> list[str]:
     return argv
 
 
-_CURRENT: list[subprocess.Popen] = []  # the running worker, ended if this process is told to stop
-
-
-def run_subprocess(argv: list[str], result: Path, env: dict | None = None, tail: int = 25) -> dict:
-    """Runs one worker, relaying its output to stderr; returns its JSON, or {"error": reason} when it failed."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            errors="replace")
-    _CURRENT.append(proc)
-    last = deque(maxlen=tail)
-    try:
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            last.append(line.rstrip("\n"))
-        rc = proc.wait()
-    finally:
-        _CURRENT.remove(proc)
-    data = None
-    if result.is_file() and result.stat().st_size:
-        try:
-            data = json.loads(result.read_text())
-        except json.JSONDecodeError:
-            data = None
-    if rc == 0 and data is not None and "error" not in data:
-        return data
-    if data is not None and "error" in data:
-        return {"error": data["error"]}
-    if rc < 0:
-        name = signal.Signals(-rc).name
-        hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
-        return {"error": f"worker killed by {name}{hint}"}
-    reason = next((x for x in reversed(last) if x.strip()), "no output")
-    return {"error": f"worker exited with status {rc}: {reason}"}
-
-
-def _stop_worker(signum, frame):
-    for proc in list(_CURRENT):
-        proc.kill()
-    raise SystemExit(128 + signum)
-
-
-def _mean(values):
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _max(values):
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
-
-
 def run_order(trainers: list[str]) -> list[str]:
     """The trainers in the order `--trainers` gives them, each once."""
     return list(dict.fromkeys(trainers))
-
-
-def add_ratios(row: dict, base: dict) -> None:
-    """`x_trl_*`: `row` over GRPOTrainer's row `base` of the same size (nothing when that row failed)."""
-    if "cpu_s" not in base:
-        return
-    row["x_trl_cpu"] = row["cpu_s"] / base["cpu_s"]
-    row["x_trl_wall"] = row["wall_s"] / base["wall_s"]
-    if row["peak_rss_GB"] is not None and base.get("peak_rss_GB"):
-        row["x_trl_rss"] = row["peak_rss_GB"] / base["peak_rss_GB"]
-
-
-def make_row(size: Size, kind: str, data: dict, clock: str, base: dict | None) -> dict:
-    """The table row of one worker: means over the measured steps (all but the first), peaks over them."""
-    row = {"size": size.name, "trainer": TRAINERS[kind]}
-    if "error" in data:
-        return {**row, "note": f"FAILED: {data['error']}", "failed": True}
-    steps = data["steps"][1:]
-    phases_key = "phases_cpu" if clock == "cpu" else "phases_wall"
-    total_key = "cpu_s" if clock == "cpu" else "wall_s"
-    row["cpu_s"] = _mean(s["cpu_s"] for s in steps)
-    row["wall_s"] = _mean(s["wall_s"] for s in steps)
-    named = 0.0
-    for phase, column in PHASE_COLUMNS.items():
-        row[column] = _mean(s[phases_key][phase] for s in steps)
-        named += row[column]
-    row["other_s"] = row[total_key] - named
-    peak_rss = _max(s["peak_rss_bytes"] for s in steps)
-    peak_cuda = _max(s["peak_cuda_bytes"] for s in steps)
-    row["peak_rss_GB"] = peak_rss / GB if peak_rss is not None else None
-    row["process_rss_GB"] = data["process_peak_rss_bytes"] / GB
-    row["peak_cuda_GB"] = peak_cuda / GB if peak_cuda is not None else None
-    row["mean_len"] = _mean(s["mean_len"] for s in steps)
-    row["gen_and_score_s"] = _mean(s["inclusive_cpu" if clock == "cpu" else "inclusive_wall"]
-                                   .get("_generate_and_score_completions") for s in steps)
-    if kind == "trl":
-        row["x_trl_cpu"] = row["x_trl_wall"] = 1.0
-        row["x_trl_rss"] = 1.0 if row["peak_rss_GB"] is not None else None
-    elif base is not None:
-        add_ratios(row, base)
-    if kind == "infinite":
-        row["engine"] = "yes" if data.get("uses_engine") else "NO"
-        if data.get("engine_fallback_reasons"):
-            row["note"] = "TRL generate: " + "; ".join(data["engine_fallback_reasons"])[:300]
-    row["first_step"] = data["steps"][0]
-    row["all_steps"] = data["steps"]
-    row["config"] = data["config"]
-    return row
 
 
 def header_for(a, device: torch.device, clock: str) -> dict:
@@ -369,6 +263,17 @@ def header_for(a, device: torch.device, clock: str) -> dict:
     return header
 
 
+def write_floor(path: str | None, floor_table: Table) -> None:
+    """The floor table (`floor_table.py`), printed and appended to the markdown beside the JSON."""
+    if not floor_table.rows:
+        return
+    text = "\n## Against the floor (benchmarks/floor_table.py)\n\n" + floor_table.markdown() + "\n"
+    print(text, flush=True)
+    if path:
+        md = Path(path).with_suffix(".md")
+        md.write_text(md.read_text() + text)
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.worker is not None:
@@ -388,7 +293,9 @@ def main(argv=None) -> None:
            "PYTHONUNBUFFERED": "1"}
     failed = False
     configs = {}
-    extra = {"configs": configs}
+    floor_table = Table(FLOOR_COLUMNS)
+    budget = a.floor_memory_gb * 1e9 if a.floor_memory_gb is not None else machine_memory_bytes(device)
+    extra = {"configs": configs, "floor_rows": floor_table.rows, "floor_memory_bytes": budget}
     if a.lengths == "forced":
         extra["forced_lengths"] = {size.name: forced_calls(a, size)[0] for size in a.sizes}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
@@ -408,12 +315,17 @@ def main(argv=None) -> None:
                 config = row.pop("config", None)
                 if config is not None:
                     configs.setdefault(kind, config)
+                floors = floor_rows(size.name, TRAINERS[kind], data, row, clock, budget)
+                if floors and "floor" not in header:
+                    header.update(floor_header(data["floor"], budget))
                 table.add(**row)
+                floor_table.rows.extend(floors)
                 save_json(a.json, header, table, extra)
     for kind, cfg in configs.items():
         shown = {k: v for k, v in cfg.items() if not k.startswith("rollout_")}
         header[f"config {TRAINERS[kind]}"] = ", ".join(f"{k}={v}" for k, v in shown.items())
     write_results(a.json, header, table, extra)
+    write_floor(a.json, floor_table)
     if failed:
         sys.exit(1)
 

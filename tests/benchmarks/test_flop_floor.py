@@ -1,0 +1,146 @@
+"""The floor of `benchmarks/grpo_step.py` (`flop_floor.py`, `floor_table.py`) and the scaling sweep
+(`grpo_scaling.py`) on a tiny random model: the formula agrees with torch's FLOP counter where both count the same
+work, the worker returns the floor's data, the floor table has its columns, and the sweep writes its table and PNG."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+ARGS = ["--model", "tiny", "--prompt-len", "8", "--steps", "2", "--device", "cpu", "--num-prompts", "8",
+        "--rollout", "cpu_decode_kernel=False", "--rollout", "kv_cache_tokens=1024"]
+
+
+@pytest.fixture(autouse=True)
+def _benchmarks_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+def tiny_model():
+    from trl_infinite.testing.model_zoo import random_model
+
+    return random_model("tiny", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+
+
+def test_formula_agrees_with_torch_counter():
+    """One unpadded forward and backward of s tokens: the counter's count is the formula's body + logits, plus the
+    upper triangle of attention the counter counts dense (the formula counts causal). Tolerance 1e-3 relative: the
+    rotary embedding's tiny matmul, counted by some transformers releases."""
+    ff = importlib.import_module("flop_floor")
+    model = tiny_model()
+    shape = ff.ModelShape.of(model)
+    s = 12
+    ids = torch.randint(0, model.config.vocab_size, (1, s), generator=torch.Generator().manual_seed(0))
+    counter = ff.flop_counter()
+    with counter:
+        loss = model(ids).logits.sum()
+    forward = counter.get_total_flops()
+    dense_excess = 4 * shape.layers * shape.q_dim * (s * s - s * (s + 1) // 2)
+    assert forward == pytest.approx(shape.body_flops(1, s) + 2 * shape.head_params * s + dense_excess, rel=1e-3)
+    with counter:
+        loss.backward()
+    backward = counter.get_total_flops()
+    assert 1.95 * forward < backward < 2.6 * forward  # input and weight gradients (attention's backward is 2.5x)
+
+
+def test_required_flops_formula():
+    ff = importlib.import_module("flop_floor")
+    shape = ff.ModelShape(layers=2, hidden=4, q_dim=4, kv_dim=2, body=((4, 4), (4, 2), (4, 2), (4, 4)),
+                          head=(4, 10), weight_bytes=1000, dtype_bytes=4)
+    assert shape.body_params == 48 and shape.head_params == 40
+    assert shape.body_flops(1, 3) == 2 * 48 * 3 + 4 * 2 * 4 * 6
+    one = ff.required_flops(shape, [5], [[3]], memory_budget_bytes=1e12)
+    two = ff.required_flops(shape, [5], [[3, 3]], memory_budget_bytes=1e12)
+    # the prompt once per group: a second sample adds only its own tokens
+    own = shape.body_flops(6, 7) + 2 * 40 * 2
+    assert two.rollout - one.rollout == own
+    assert one.rollout == shape.body_flops(1, 5) + 2 * 40 + own
+    assert one.forward == shape.body_flops(1, 5) + shape.body_flops(6, 7) + 2 * 40 * 3
+    assert one.backward == 2 * one.forward and not one.recompute
+    tight = ff.required_flops(shape, [5], [[3]], memory_budget_bytes=1.0)
+    assert tight.recompute and tight.backward == 2 * one.forward + shape.body_flops(1, 7)
+    assert two.tokens == 6 and two.step == two.rollout + two.forward + two.backward
+    # bytes: 2 decode steps reading every weight, the prompt's KV per step, each sample's own tokens
+    kv = 2 * 2 * 2 * 4
+    assert two.rollout_bytes == 2 * 1000 + 2 * 5 * kv + 2 * 3 * kv
+
+
+@pytest.mark.parametrize("kind", ["trl", "infinite"])
+def test_worker_reports_the_floor(kind):
+    grpo_step = importlib.import_module("grpo_step")
+    table = importlib.import_module("floor_table")
+    a = grpo_step.parse_args([*ARGS, "--sizes", "4x2@12", "--lengths", "forced", "--mean", "6"])
+    data = grpo_step.run_worker(a, kind, a.sizes[0])
+    floor = data["floor"]
+    assert len(floor["steps"]) == 2 and floor["steps"][1]["counted"] is None  # only the warm-up is counted
+    counted = floor["steps"][0]["counted"]
+    assert all(counted[p] > 0 for p in ("rollout", "forward", "backward"))
+    calls, _ = grpo_step.forced_calls(a, a.sizes[0])
+    assert [s["completions"] for s in floor["steps"]] == calls and all(
+        len(s["prompt_lens"]) == 2 for s in floor["steps"])
+    rates = floor["rates"]
+    assert rates["rollout_rows"] == 8 and min(rates["rollout"], rates["forward"], rates["backward"]) > 0
+    row = grpo_step.make_row(a.sizes[0], kind, data, "cpu", None)
+    rows = table.floor_rows("4x2@12", kind, data, row, "cpu", 1e12)
+    assert [r["phase"] for r in rows] == ["rollout", "forward", "backward", "step"]
+    assert all(set(table.FLOOR_COLUMNS) <= set(r) for r in rows)
+    assert all(r["x_floor"] > 0 and r["floor_s"] > 0 for r in rows) and row["x_floor"] == rows[-1]["x_floor"]
+    assert rows[-1]["floor_s"] == pytest.approx(sum(r["floor_s"] for r in rows[:3]))
+    for r in rows[1:3]:  # training: padding and recomputation only add to the unavoidable work
+        assert r["x_req"] >= 0.999, r
+    if kind == "trl":  # gradient checkpointing recomputes the forward in the backward: well over 2x
+        assert rows[2]["counted_GFLOP"] > 2.5 * rows[1]["req1_GFLOP"]
+
+
+def test_training_only_count_leaves_the_rollout_alone():
+    """`--count-flops warmup-training` (CUDA's default): the rollout runs outside the counter, the training phases
+    are counted."""
+    grpo_step = importlib.import_module("grpo_step")
+    a = grpo_step.parse_args([*ARGS, "--sizes", "2x1@6", "--lengths", "forced", "--mean", "4",
+                              "--count-flops", "warmup-training"])
+    counted = grpo_step.run_worker(a, "infinite", a.sizes[0])["floor"]["steps"][0]["counted"]
+    assert counted["rollout"] is None and counted["forward"] > 0 and counted["backward"] > 0
+
+
+def test_scaling_table_and_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    grpo_step = importlib.import_module("grpo_step")
+    scaling = importlib.import_module("grpo_scaling")
+
+    def in_process(argv, result, env=None, tail=25):  # the real worker, without a new interpreter per run
+        a = grpo_step.parse_args(argv[2:])
+        return grpo_step.run_worker(a, a.worker, a.sizes[0])
+
+    monkeypatch.setattr(grpo_step, "run_subprocess", in_process)
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    scaling.main([*ARGS, "--points", "4@4", "2@4", "2@8", "--json", str(out), "--png", str(png)])
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [(r["G"], r["L"], r["trainer"]) for r in rows] == [
+        (2, 4, "InfiniteGRPOTrainer"), (2, 4, "GRPOTrainer"), (4, 4, "InfiniteGRPOTrainer"), (4, 4, "GRPOTrainer"),
+        (2, 8, "InfiniteGRPOTrainer"), (2, 8, "GRPOTrainer")]  # by completion tokens (ties: shorter L first), ours first
+    for r in rows:
+        assert r["tokens"] == r["G"] * r["L"] and r["ms_per_token"] == pytest.approx(1000 * r["step_s"] / r["tokens"])
+        assert r["peak_GB"] > 0 and r["x_floor"] > 0 and r["x_trl_time"] > 0 and r["x_first"] > 0
+        assert all(s["mean_len"] == r["L"] for s in r["all_steps"])  # forced identical lengths
+    assert rows[0]["x_first"] == 1.0 and rows[1]["x_trl_time"] == 1.0
+    for r in rows[2:]:  # G against the smallest L's first point, L against the smallest G's
+        first = next(b for b in rows if b["trainer"] == r["trainer"] and (b["G"], b["L"]) == (2, 4))
+        assert r["x_first"] == pytest.approx(r["ms_per_token"] / first["ms_per_token"])
+    assert "| 2 | 8 | InfiniteGRPOTrainer |" in out.with_suffix(".md").read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # the floor table rebuilt from the JSON alone (the workers' rates) gives the rows' x_floor back
+    rebuilt = importlib.import_module("floor_table").rebuild(str(out), remeasure=False, threads=1, out=None)
+    steps = [r for r in rebuilt if r["phase"] == "step"]
+    assert [r["x_floor"] for r in steps] == pytest.approx([r["x_floor"] for r in rows])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
