@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from common import run_header  # noqa: E402
 from curve_stats import LOG_KEYS, compare_runs, plot_curves  # noqa: E402
 from grpo_setup import gsm8k_dataset, gsm8k_path, random_dataset, word_tokenizer  # noqa: E402
-from grpo_step import run_subprocess  # noqa: E402
+from grpo_workers import run_subprocess  # noqa: E402
 
 TRAINERS = {"trl": "GRPOTrainer", "infinite": "InfiniteGRPOTrainer"}
 INSTRUCTION = "Solve it briefly and end with the final answer as a number."
