@@ -316,6 +316,10 @@ class FloorProbe(TrainerCallback):
             self.clock.listeners.remove(self._on_boundary)
 
     def detach(self) -> None:
+        if self._mode is not None:  # a step that raised: its dispatch mode would stay on in this process (and
+            self._mode.__exit__(None, None, None)  # every later `torch.compile` would find no frame to compile)
+            self._mode = None
+            self.clock.listeners.remove(self._on_boundary)
         self.trainer._generate_single_turn = self._original
         self.trainer.remove_callback(self)
 

@@ -22,6 +22,16 @@ def _benchmarks_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # the scripts import their `common` module by name
 
 
+@pytest.fixture(autouse=True)
+def _no_dispatch_mode_left():
+    """The in-process workers count FLOPs under a dispatch mode: a worker that raised left it on, and every later
+    `torch.compile` in the test process found no frame to compile."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    yield
+    assert _get_current_dispatch_mode() is None, "a FLOP counter's dispatch mode was left on"
+
+
 def worker(kind: str, *extra: str) -> tuple[dict, object]:
     grpo_step = importlib.import_module("grpo_step")
     a = grpo_step.parse_args([*ARGS, *extra])
