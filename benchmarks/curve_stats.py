@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 LOG_KEYS = ("reward", "reward_std", "completions/mean_length", "entropy", "kl")
-_NAMES = {"trl": "GRPOTrainer", "infinite": "InfiniteGRPOTrainer"}
+TRAINERS = {"trl": "GRPOTrainer", "infinite": "InfiniteGRPOTrainer"}
 
 
 @dataclass
@@ -83,7 +83,7 @@ def time_to_level(run: dict, level: float, smooth: int, clock: str) -> float | N
 
 
 def compare_runs(runs: list[dict], final_window: int, smooth: int, level: float | None, tolerance: float) -> Report:
-    by = {k: [r for r in runs if r["trainer"] == k and rewards(r)] for k in _NAMES}
+    by = {k: [r for r in runs if r["trainer"] == k and rewards(r)] for k in TRAINERS}
     every = [r for rs in by.values() for r in rs]
     if not every:
         return Report("no run finished", None)
@@ -116,7 +116,7 @@ def compare_runs(runs: list[dict], final_window: int, smooth: int, level: float 
             m, s = _mean(xs), _std(xs)
             return f"{m:.3f}" + (f" ± {s:.3f}" if s is not None else "")
 
-        lines.append(f"| {_NAMES[k]} | {len(rs)} | {pm(final[k])} | {pm(auc[k])} | {row['wall_s_per_step']:.1f} | "
+        lines.append(f"| {TRAINERS[k]} | {len(rs)} | {pm(final[k])} | {pm(auc[k])} | {row['wall_s_per_step']:.1f} | "
                      f"{row['cpu_s_per_step']:.1f} | {_fmt(_mean(reach[k][0]))} | {_fmt(_mean(reach[k][1]))} | "
                      f"{len(reach[k][0])}/{len(rs)} | {all(row['uses_engine']) if k == 'infinite' else '-'} |")
     if by["infinite"] and by["trl"]:
@@ -138,7 +138,7 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def plot_curves(runs: list[dict], level: float | None, path: str, names: dict) -> None:
+def plot_curves(runs: list[dict], level: float | None, path: str) -> None:
     """Mean reward with a min-max band across seeds, against step and against cumulative wall time."""
     import matplotlib
 
@@ -157,7 +157,7 @@ def plot_curves(runs: list[dict], level: float | None, path: str, names: dict) -
         high = [max(t[i] for t in table) for i in range(n)]
         steps = list(range(1, n + 1))
         clock = [_mean([cumulative(r, "wall_s")[i] for r in rs]) for i in range(n)]
-        label = f"{names[kind]} ({len(rs)} seeds)"
+        label = f"{TRAINERS[kind]} ({len(rs)} seeds)"
         for ax, x in ((axes[0], steps), (axes[1], clock)):
             ax.plot(x, mean, color=color, label=label)
             ax.fill_between(x, low, high, color=color, alpha=0.2)

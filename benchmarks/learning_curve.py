@@ -44,11 +44,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 from common import run_header  # noqa: E402
-from curve_stats import LOG_KEYS, compare_runs, plot_curves  # noqa: E402
+from curve_stats import LOG_KEYS, TRAINERS, compare_runs, plot_curves  # noqa: E402
 from grpo_setup import gsm8k_dataset, gsm8k_path, random_dataset, word_tokenizer  # noqa: E402
 from grpo_workers import run_subprocess  # noqa: E402
 
-TRAINERS = {"trl": "GRPOTrainer", "infinite": "InfiniteGRPOTrainer"}
 INSTRUCTION = "Solve it briefly and end with the final answer as a number."
 
 
@@ -220,7 +219,7 @@ def main(argv=None) -> None:
         Path(a.json).with_suffix(".md").write_text(
             "\n".join(f"- {k}: {v}" for k, v in header.items()) + "\n\n" + report.markdown)
     if a.plot:
-        plot_curves([r for r in runs if "error" not in r], report.level, a.plot, TRAINERS)
+        plot_curves([r for r in runs if "error" not in r], report.level, a.plot)
         print(f"wrote {a.plot}")
     if failed:
         for r in failed:

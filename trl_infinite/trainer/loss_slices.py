@@ -184,7 +184,10 @@ def _own_passes(trainer) -> bool:
 
 def keep_activations(trainer, model, inputs: dict):
     """`no_recompute` for a forward whose tokens fit the activation budget (`recompute.py`), else nothing."""
-    limit = trainer.recompute.max_tokens(trainer.model) if _own_passes(trainer) else None
+    policy = getattr(trainer, "recompute", None)  # (TRL's tests build trainers without `__init__`)
+    if policy is None or policy.limit_bytes is None:
+        return nullcontext()
+    limit = policy.max_tokens(trainer._policy_module(trainer.model)) if _own_passes(trainer) else None
     if limit is None or int(row_costs(trainer, inputs).sum()) > limit:
         return nullcontext()
     return no_recompute(model)
@@ -201,7 +204,7 @@ def loss_slices(trainer, inputs: dict) -> list[slice] | None:
     if any(isinstance(v, torch.Tensor) and v.ndim >= 1 and k not in ROW_KEYS
            and v.shape[0] != inputs["completion_mask"].shape[0] for k, v in inputs.items()):
         return None  # an entry not aligned with the rows (e.g. pixel values): one pass
-    limit = trainer.recompute.max_tokens(trainer.model)
+    limit = trainer.recompute.max_tokens(trainer._policy_module(trainer.model))
     costs = row_costs(trainer, inputs)
     if limit is not None and limit < budget:  # slices sized so their activations fit without recomputation
         slices = fit_slices(trainer, inputs, limit)
