@@ -21,16 +21,19 @@ are taken as `A` = 4 bytes x (in + out of every body linear) (each linear's inpu
 layers; `activation_bytes_per_token`); the floor includes one extra body forward when `A x (p + max c) > memory budget` (`--floor-memory-gb`, default the
 machine's memory: host RAM on CPU, the GPU's on CUDA), since smaller slices of samples always fit otherwise.
 
-Floor of a phase = max(required FLOPs / GEMM rate, bytes moved / copy bandwidth) (a roofline). GEMM rate: the
-model's linear shapes through `torch.nn.functional.linear` (forward, and for the backward the two transposed GEMMs)
-at M rows, in the worker's threads and dtype, timed by the phase clock's kind (CPU seconds on CPU, synchronised wall
-on CUDA), each shape's fastest of at least 3 calls (the attainable rate on a shared machine); one rate per phase: the rollout's at M = the rollout's rows (G x prompts), forward's and backward's at
-M = `TRAIN_ROWS`. Bytes moved: only the rollout's decode is counted (training is compute-bound): per decode step every
+Floor of a phase = max(required FLOPs / GEMM rate, bytes moved / copy bandwidth) (a roofline). GEMM rate: one
+pass over the model's linears, each with its own weight in the model's order (the memory a step streams), through
+`torch.nn.functional.linear` (forward, and for the backward the two transposed GEMMs) at M rows, in the worker's
+threads and dtype, timed by the phase clock's kind (CPU seconds on CPU, synchronised wall on CUDA), the fastest of at
+least 3 passes (the attainable rate on a shared machine); one rate per phase: the rollout's at M = the rollout's rows
+(G x prompts), forward's and backward's at M = `TRAIN_ROWS`. Bytes moved: only the rollout's decode is counted (training is compute-bound): per decode step every
 weight once (in the compute dtype) plus the KV read, each group's prompt once (a cascade) and each sample's own
 tokens; the copy bandwidth is `Tensor.copy_` of a large buffer.
 
-Counted FLOPs (`torch.utils.flop_counter.FlopCounterMode`, matmuls and attention): in the warm-up step (step 1,
-never reported) so the timed steps run without the counter; its phase split follows the phase clock's (exclusive)
+Counted FLOPs (`torch.utils.flop_counter.FlopCounterMode`, matmuls and attention): in a warm-up step (step 1,
+never reported) so the timed steps run without the counter; on CPU by default in a process of its own (`separate`:
+a second worker runs that one step counted, since what the counter leaves resident lifts a process's peak RSS),
+on CUDA in the measuring worker's warm-up; its phase split follows the phase clock's (exclusive)
 boundaries. The counter sees only the thread that runs the step (TRL's continuous batching generates in another
 thread) and counts attention as dense (causal masks not subtracted).
 """
@@ -45,7 +48,7 @@ from transformers import TrainerCallback
 
 TRAIN_ROWS = 512  # GEMM rows of the training phases' rate (a slice of tokens)
 FLOOR_PHASES = ("rollout", "forward", "backward")
-COUNT_MODES = ("auto", "warmup", "warmup-training", "off")
+COUNT_MODES = ("auto", "separate", "warmup", "warmup-training", "off")
 
 
 # ------------------------------------------------------------------------------------------------------ the model
@@ -166,20 +169,21 @@ def _fastest(fn, device: torch.device, min_calls: int = 3, min_s: float = 0.2) -
 
 
 def gemm_rate(shape: ModelShape, rows: int, device: torch.device, dtype: torch.dtype, backward: bool = False) -> float:
-    """FLOP/s of the model's linears at `rows` rows (each body shape weighted by how often the model has it, the
-    head once; each shape's fastest call); `backward`: the two transposed GEMMs of the backward (input and weight
-    gradients)."""
-    counts: dict[tuple[int, int], int] = {}
-    for s in [*shape.body, shape.head]:
-        counts[s] = counts.get(s, 0) + 1
-    flops = seconds = 0.0
-    for (k, n), count in counts.items():
-        x = torch.randn(rows, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        g = torch.randn(rows, n, device=device, dtype=dtype)
-        flops += count * 2 * rows * k * n * (2 if backward else 1)
-        seconds += count * _fastest(lambda x=x, w=w, g=g: _gemms(x, w, g, backward), device)
-    return flops / seconds
+    """FLOP/s of one pass over the model's linears at `rows` rows: every body linear in the model's order, each with
+    its own weight, then the head (a step streams its weights: one layer's do not stay in cache until the next use,
+    so one shape's weight timed over and over would overstate the rate), the fastest of at least 3 passes;
+    `backward`: the two transposed GEMMs of the backward (input and weight gradients) instead."""
+    shapes = [*shape.body, shape.head]
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for k, n in shapes]
+    xs = {k: torch.randn(rows, k, device=device, dtype=dtype) for k, _ in shapes}
+    gs = {n: torch.randn(rows, n, device=device, dtype=dtype) for _, n in shapes}
+    flops = sum(2 * rows * k * n for k, n in shapes) * (2 if backward else 1)
+
+    def one_pass():
+        for (k, n), w in zip(shapes, weights):
+            _gemms(xs[k], w, gs[n], backward)
+
+    return flops / _fastest(one_pass, device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
@@ -252,7 +256,8 @@ class _GlobalOnly:
 
 class FloorProbe(TrainerCallback):
     """Records each rollout's prompt and completion lengths, and counts FLOPs per phase in the first step
-    (`count`: "warmup" every phase, "warmup-training" all but the rollout, "off" none). Attach after
+    (`count`: "warmup" every phase, "warmup-training" all but the rollout; "off" and "separate" none: a
+    separate process counts). Attach after
     `grpo_probes.Instrumented` (it reads the same phase clock)."""
 
     def __init__(self, trainer, clock, count: str):
@@ -301,7 +306,7 @@ class FloorProbe(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.steps.append({"prompt_lens": None, "completions": None, "counted": None})
-        if len(self.steps) == 1 and self.count != "off":
+        if len(self.steps) == 1 and self.count in ("warmup", "warmup-training"):
             self.steps[-1]["counted"] = {}
             self._mode = flop_counter()
             self._mode.__enter__()
@@ -325,11 +330,12 @@ class FloorProbe(TrainerCallback):
 
 
 def count_mode(requested: str, device: torch.device) -> str:
-    """auto: every phase on CPU; on CUDA the training phases only (a replayed CUDA graph runs no operator the
-    counter sees, so a rollout count there says nothing)."""
+    """auto: every phase, in a process of its own, on CPU (`separate`); on CUDA the training phases only, in the
+    measuring worker's warm-up (a replayed CUDA graph runs no operator the counter sees, so a rollout count there
+    says nothing)."""
     if requested != "auto":
         return requested
-    return "warmup" if device.type == "cpu" else "warmup-training"
+    return "separate" if device.type == "cpu" else "warmup-training"
 
 
 def floor_summary(trainer, probe: FloorProbe, size, device: torch.device, bf16: bool) -> dict:

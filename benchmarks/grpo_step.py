@@ -45,10 +45,12 @@ Columns (per (size, trainer), the mean of the steps after the first, which is a 
 - `mean_len`: TRL's `completions/mean_length` log; `x_trl_cpu`, `x_trl_wall`, `x_trl_rss`: ratios to `GRPOTrainer`
   (same size, same run); `engine`: whether `InfiniteGRPOTrainer` generated on its engine (`uses_engine`).
 - `x_floor`: the step's time over its floor, and a second table "Against the floor" per trainer and phase (rollout,
-  training forward, backward, step): FLOPs counted by `torch.utils.flop_counter.FlopCounterMode` in the warm-up step
-  (untimed; `--count-flops`), the required FLOPs by the formula of `flop_floor.py` (no padding, the prompt once per
-  group, each completion token once, backward 2x forward, recomputation only when one sample's activations exceed
-  `--floor-memory-gb`), the GEMM rate measured in the worker after its steps at the model's linear shapes, and
+  training forward, backward, step): FLOPs counted by `torch.utils.flop_counter.FlopCounterMode` in a warm-up step
+  (untimed; `--count-flops`: on CPU a second worker per row runs that step counted, so the counter's resident memory
+  never lifts the measured peak RSS), the required FLOPs by the formula of `flop_floor.py` (no padding, the prompt
+  once per group, each completion token once, backward 2x forward, recomputation only when one sample's activations
+  exceed `--floor-memory-gb`), the GEMM rate measured in the worker after its steps (one pass over the model's
+  linears, each its own weight), and
   time / floor (columns in `floor_table.py`). The JSON keeps each worker's lengths, counts and rates (`floor_data`).
 A worker that fails or is killed (e.g. out of memory) is a row with the reason in `note`; the script then exits 1.
 
@@ -118,15 +120,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="any other InfiniteGRPOConfig field of ours, e.g. backward_token_budget=2048 or "
                    "shared_prefix_training=False (repeatable; ablations)")
     p.add_argument("--count-flops", choices=COUNT_MODES, default="auto",
-                   help="FlopCounterMode in the warm-up step: every phase (warmup), all but the rollout "
-                   "(warmup-training), none (off); auto: warmup on CPU, warmup-training on CUDA. Counting leaves "
-                   "memory resident on CPU that lifts the measured steps' peak RSS (16x1@256: 4.17 vs 3.19 GB): "
-                   "quote memory from a run with off")
+                   help="FlopCounterMode in a warm-up step: every phase in a second worker that runs that one step "
+                   "(separate), every phase in the measuring worker's warm-up (warmup), all but the rollout there "
+                   "(warmup-training), none (off); auto: separate on CPU (counting in the measuring process leaves "
+                   "memory resident that lifts its peak RSS: 16x1@256 4.17 vs 3.19 GB), warmup-training on CUDA")
     p.add_argument("--floor-memory-gb", type=float, default=None,
                    help="memory budget of the floor's recomputation rule (default: host RAM, the GPU's on CUDA)")
     p.add_argument("--json", default=None, help="write the rows as JSON (and the table as .md) here")
     p.add_argument("--worker", choices=list(TRAINERS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--count-only", action="store_true", help=argparse.SUPPRESS)  # the separate counting worker
     a = p.parse_args(argv)
     if a.steps < 2:
         p.error("--steps must be >= 2 (the first step is a warm-up and is not reported)")
@@ -167,7 +170,13 @@ def run_worker(a, kind: str, size: Size) -> dict:
         if a.lengths == "forced":
             forced = ForcedLengths(forced_calls(a, size)[0], trainer.eos_token_ids)
         instrumented = Instrumented(trainer, forced)
-        floor = FloorProbe(trainer, instrumented.clock, count_mode(a.count_flops, device))
+        floor = FloorProbe(trainer, instrumented.clock, "warmup" if a.count_only else count_mode(a.count_flops, device))
+        if a.count_only:  # the first step only, counted: its FLOPs and lengths are all this worker returns
+            trainer.args.max_steps = 1
+            trainer.train()
+            if len(instrumented.probe.records) != 1:
+                raise RuntimeError(f"{len(instrumented.probe.records)} steps recorded, 1 expected")
+            return {"trainer": kind, "size": size.name, "floor_steps": floor.steps}
         trainer.train()
         records = instrumented.probe.records
         if len(records) != a.steps:
@@ -216,7 +225,7 @@ def worker_main(a) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- parent
-def worker_argv(a, kind: str, size: Size, result: str) -> list[str]:
+def worker_argv(a, kind: str, size: Size, result: str, count_only: bool = False) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--result", result,
             "--model", a.model, "--sizes", size.name, "--steps", str(a.steps), "--lengths", a.lengths,
             "--mean", str(a.mean), "--sigma", str(a.sigma), "--prompt-len", str(a.prompt_len),
@@ -231,7 +240,27 @@ def worker_argv(a, kind: str, size: Size, result: str) -> list[str]:
         argv += ["--rollout", item]
     for item in a.option:
         argv += ["--option", item]
-    return argv
+    return argv + (["--count-only"] if count_only else [])
+
+
+def measure(a, kind: str, size: Size, tmp: str, env: dict, device: torch.device) -> dict:
+    """One (size, trainer): the measuring worker, then with `--count-flops separate` a second worker that runs the
+    warm-up step counted; its counts and lengths become the floor's first step (`x_req` compares a step's count with
+    that same step's required FLOPs)."""
+    result = Path(tmp) / f"{size.name}_{kind}.json"
+    data = run_subprocess(worker_argv(a, kind, size, str(result)), result, env)
+    if count_mode(a.count_flops, device) != "separate" or "error" in data or not data.get("floor"):
+        return data
+    print(f"[grpo_step] {size.name} {TRAINERS[kind]}: counting FLOPs in a separate worker ...", file=sys.stderr,
+          flush=True)
+    counted = Path(tmp) / f"{size.name}_{kind}_count.json"
+    count = run_subprocess(worker_argv(a, kind, size, str(counted), count_only=True), counted, env)
+    if "error" in count:
+        data["floor"]["count_error"] = count["error"]
+    else:
+        data["floor"]["steps"][0] = count["floor_steps"][0]
+        data["floor"]["counted_in"] = "a separate worker (its own warm-up step)"
+    return data
 
 
 def run_order(trainers: list[str]) -> list[str]:
@@ -304,9 +333,8 @@ def main(argv=None) -> None:
         for size in a.sizes:
             base = None
             for kind in run_order(a.trainers):  # as --trainers lists them: a time limit cuts the last, not ours
-                result = Path(tmp) / f"{size.name}_{kind}.json"
                 print(f"[grpo_step] {size.name} {TRAINERS[kind]} ...", file=sys.stderr, flush=True)
-                data = run_subprocess(worker_argv(a, kind, size, str(result)), result, env)
+                data = measure(a, kind, size, tmp, env, device)
                 row = make_row(size, kind, data, clock, base)
                 failed |= bool(row.get("failed"))
                 if kind == "trl":

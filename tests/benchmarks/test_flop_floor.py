@@ -76,7 +76,8 @@ def test_required_flops_formula():
 def test_worker_reports_the_floor(kind):
     grpo_step = importlib.import_module("grpo_step")
     table = importlib.import_module("floor_table")
-    a = grpo_step.parse_args([*ARGS, "--sizes", "4x2@12", "--lengths", "forced", "--mean", "6"])
+    a = grpo_step.parse_args([*ARGS, "--sizes", "4x2@12", "--lengths", "forced", "--mean", "6",
+                              "--count-flops", "warmup"])  # counted in this worker's own warm-up
     data = grpo_step.run_worker(a, kind, a.sizes[0])
     floor = data["floor"]
     assert len(floor["steps"]) == 2 and floor["steps"][1]["counted"] is None  # only the warm-up is counted
@@ -97,6 +98,33 @@ def test_worker_reports_the_floor(kind):
         assert r["x_req"] >= 0.999, r
     if kind == "trl":  # gradient checkpointing recomputes the forward in the backward: well over 2x
         assert rows[2]["counted_GFLOP"] > 2.5 * rows[1]["req1_GFLOP"]
+
+
+def test_separate_count_worker_fills_the_first_step(tmp_path, monkeypatch):
+    """`--count-flops separate` (CPU's default): the measuring worker counts nothing; a second worker runs the warm-up
+    step counted, and its counts and lengths become the floor's first step."""
+    grpo_step = importlib.import_module("grpo_step")
+    argvs = []
+
+    def in_process(argv, result, env=None, tail=25):
+        argvs.append(argv)
+        a = grpo_step.parse_args(argv[2:])
+        return grpo_step.run_worker(a, a.worker, a.sizes[0])
+
+    monkeypatch.setattr(grpo_step, "run_subprocess", in_process)
+    a = grpo_step.parse_args([*ARGS, "--sizes", "2x2@6", "--lengths", "forced", "--mean", "4"])
+    assert a.count_flops == "auto"
+    data = grpo_step.measure(a, "infinite", a.sizes[0], str(tmp_path), {}, torch.device("cpu"))
+    assert len(argvs) == 2 and "--count-only" not in argvs[0] and "--count-only" in argvs[1]
+    steps = data["floor"]["steps"]
+    assert len(steps) == 2 and steps[1]["counted"] is None
+    assert all(steps[0]["counted"][p] > 0 for p in ("rollout", "forward", "backward"))
+    assert [s["completions"] for s in steps] == grpo_step.forced_calls(a, a.sizes[0])[0]
+    assert len(data["steps"]) == 2  # the measured steps come from the first worker
+    with_off = grpo_step.parse_args([*ARGS, "--sizes", "2x2@6", "--count-flops", "off"])
+    argvs.clear()
+    off = grpo_step.measure(with_off, "infinite", with_off.sizes[0], str(tmp_path), {}, torch.device("cpu"))
+    assert len(argvs) == 1 and off["floor"]["steps"][0]["counted"] is None
 
 
 def test_training_only_count_leaves_the_rollout_alone():
