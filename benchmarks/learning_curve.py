@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument("--json", default=None, help="write every run's log and the comparison here")
     p.add_argument("--plot", default=None, help="PNG of the curves (needs matplotlib)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="earlier runs (this script's --json) compared and plotted with this one's: the same task, "
+                   "steps, batch, lengths and learning rate, other seeds (more seeds without rerunning the first)")
     p.add_argument("--worker", choices=list(TRAINERS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -196,11 +199,36 @@ def run_one(a, kind: str, seed: int) -> dict:
         return data
 
 
+SAME_RUN = ("task", "steps", "num_generations", "prompts", "max_completion_length", "learning_rate", "num_prompts",
+            "threads")  # what merged runs must share with this one
+
+
+def merged_runs(a) -> tuple[list[dict], list[str]]:
+    """The runs of `--merge`'s files (an error when one differs from this run in `SAME_RUN` or repeats a seed), and a
+    line per file naming its commit and seeds."""
+    runs, lines, seen = [], [], set(a.seeds)
+    for path in a.merge:
+        data = json.loads(Path(path).read_text())
+        for key in SAME_RUN:
+            if data["args"].get(key) != getattr(a, key):
+                raise SystemExit(f"--merge {path}: {key}={data['args'].get(key)!r}, this run has {getattr(a, key)!r}")
+        seeds = sorted({r["seed"] for r in data["runs"]})
+        if seen & set(seeds):
+            raise SystemExit(f"--merge {path}: seeds {sorted(seen & set(seeds))} are already in this comparison")
+        seen |= set(seeds)
+        runs += data["runs"]
+        lines.append(f"{path}: seeds {seeds}, commit {data.get('commit')}, {data.get('date')}")
+    return runs, lines
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.worker:
         return worker_main(a)
     header = run_header(torch.device("cpu"), "python benchmarks/learning_curve.py " + " ".join(sys.argv[1:]))
+    earlier, lines = merged_runs(a)
+    if lines:
+        header["merged"] = "; ".join(lines)
     runs = []
     for seed in a.seeds:
         for kind in a.trainers:
@@ -211,6 +239,7 @@ def main(argv=None) -> None:
             if a.json:
                 Path(a.json).write_text(json.dumps({**header, "args": vars(a), "runs": runs}, indent=1))
     failed = [r for r in runs if "error" in r]
+    runs = earlier + runs
     report = compare_runs([r for r in runs if "error" not in r], a.final_window, a.smooth, a.level, a.tolerance)
     print("\n".join(f"- {k}: {v}" for k, v in header.items()) + "\n\n" + report.markdown, flush=True)
     if a.json:

@@ -44,6 +44,32 @@ def test_both_trainers_log_every_step_and_the_plot_is_drawn(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| GRPOTrainer | 1 |" in table and "| InfiniteGRPOTrainer | 1 |" in table
     assert "final reward: too few seeds" in table  # one seed per trainer: no interval is claimed
+    # a second seed later, the first run's kept: both seeds compared and plotted
+    merged = tmp_path / "merged.json"
+    cmd2 = [*cmd[:cmd.index("--seeds")], "--seeds", "1", "--num-prompts", "16", "--json", str(merged), "--plot",
+            str(png), "--merge", str(out)]
+    proc = subprocess.run(cmd2, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(merged.read_text())
+    assert [(r["trainer"], r["seed"]) for r in data["runs"]] == [("trl", 0), ("infinite", 0), ("trl", 1),
+                                                                 ("infinite", 1)]
+    assert str(out) in data["merged"] and "| GRPOTrainer | 2 |" in merged.with_suffix(".md").read_text()
+
+
+def test_merge_refuses_other_settings_and_repeated_seeds(tmp_path):
+    lc = importlib.import_module("learning_curve")
+    earlier = tmp_path / "earlier.json"
+    a = lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "0"])
+    earlier.write_text(json.dumps({"args": vars(a), "runs": [{"trainer": "trl", "seed": 0, "steps": []}],
+                                   "commit": "abc", "date": "today"}))
+    with pytest.raises(SystemExit, match="seeds \\[0\\] are already"):
+        lc.merged_runs(lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "0", "--merge", str(earlier)]))
+    with pytest.raises(SystemExit, match="steps=3"):
+        lc.merged_runs(lc.parse_args(["--task", "tiny", "--steps", "4", "--seeds", "1", "--merge", str(earlier)]))
+    runs, lines = lc.merged_runs(lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "1", "--merge",
+                                                str(earlier)]))
+    assert [r["seed"] for r in runs] == [0] and "commit abc" in lines[0]
 
 
 def run(trainer: str, seed: int, rewards: list[float], step_s: float = 1.0) -> dict:
