@@ -13,7 +13,8 @@ Columns (per point and trainer, the measured steps after the warm-up):
 - `peak_GB`: peak RSS of the measured step on CPU (VmHWM), peak CUDA memory (`max_memory_allocated`) on CUDA;
 - `x_trl_time`, `x_trl_mem`: ours over `GRPOTrainer`'s at the same point; `x_floor`: step time over the step's floor
   (`floor_table.py`); `run_s`: wall seconds of the whole worker (load, the steps, the floor's GEMM timing).
-The PNG (`--png`, matplotlib) plots ms per completion token and peak memory against G and against L, both trainers.
+A second table (`memory_terms.py`) splits our measured phase peaks into the terms that explain them (KV, the host
+cache, gradients, one backward slice, the log-prob tiles). The PNG (`--png`, matplotlib) plots ms per completion token and peak memory against G and against L, both trainers.
 
     python benchmarks/grpo_scaling.py --json /tmp/scaling.json --png benchmarks/grpo_scaling.png   # CPU: hours
     python benchmarks/grpo_scaling.py --model tiny --points 2@4 4@4 2@8 --prompt-len 8 --png /tmp/s.png   # smoke
@@ -33,6 +34,8 @@ from pathlib import Path
 import grpo_step
 from common import Table, pick_device, save_json, write_results
 from floor_table import floor_rows, machine_memory_bytes
+from memory_terms import COLUMNS as MEMORY_COLUMNS
+from memory_terms import memory_rows
 
 DEFAULT_POINTS = ("8@256", "16@256", "32@256", "64@256", "8@1024", "8@4096")
 COLUMNS = ["G", "L", "trainer", "tokens", "step_s", "ms_per_token", "x_first", "peak_GB", "x_trl_time", "x_trl_mem",
@@ -171,6 +174,13 @@ def main(argv=None) -> None:
                 if a.png:
                     plot(table.rows, a.png, header["memory"])
     write_results(a.json, header, table, {"floor_memory_bytes": budget})
+    terms = memory_rows(table.rows)
+    if terms:  # where our peak goes, term by term (memory_terms.py)
+        text = "\n## Our peak memory, term by term (benchmarks/memory_terms.py)\n\n" + Table(MEMORY_COLUMNS, terms).markdown()
+        print(text, flush=True)
+        if a.json:
+            md = Path(a.json).with_suffix(".md")
+            md.write_text(md.read_text() + text + "\n")
     if a.png:
         print(f"wrote {a.png}")
     if failed:

@@ -127,6 +127,18 @@ def test_separate_count_worker_fills_the_first_step(tmp_path, monkeypatch):
     assert len(argvs) == 1 and off["floor"]["steps"][0]["counted"] is None
 
 
+def test_largest_backward_slice():
+    """The slices `loss_slices.py` cuts: one group of G rows under the budget is one slice; above it, 2 : 1 : ... : 1
+    of the tokens (a later slice encodes the prompt again)."""
+    terms = importlib.import_module("memory_terms")
+    assert terms.largest_slice(92, 8, 256, 4096) == 91 + 8 * 257  # one slice: the prompt once, each row L + 1
+    assert terms.largest_slice(92, 8, 256, None) == 91 + 8 * 257
+    # 8 x 1,025 + 91 = 8,291 tokens over 4,096: 4 slices, the first about 2/5 of the tokens to within a row (its
+    # cut is the first row boundary past 2/5: 4 rows + the prompt)
+    assert terms.largest_slice(92, 8, 1024, 4096) == 91 + 4 * 1025
+    assert terms.largest_slice(92, 8, 4096, 4096) == 91 + 4097  # a row alone over the budget is its own slice
+
+
 def test_training_only_count_leaves_the_rollout_alone():
     """`--count-flops warmup-training` (CUDA's default): the rollout runs outside the counter, the training phases
     are counted."""
@@ -163,6 +175,12 @@ def test_scaling_table_and_png(tmp_path, monkeypatch):
         first = next(b for b in rows if b["trainer"] == r["trainer"] and (b["G"], b["L"]) == (2, 4))
         assert r["x_first"] == pytest.approx(r["ms_per_token"] / first["ms_per_token"])
     assert "| 2 | 8 | InfiniteGRPOTrainer |" in out.with_suffix(".md").read_text()
+    terms = importlib.import_module("memory_terms").memory_rows(rows)
+    assert [(t["G"], t["L"]) for t in terms] == [(2, 4), (4, 4), (2, 8)]  # ours only
+    for t in terms:
+        assert t["static_GB"] > 0 and t["kv_GB"] > 0 and t["slice_GB"] > 0 and t["grads_GB"] > 0
+    assert terms[2]["kv_GB"] > terms[0]["kv_GB"]  # longer completions, more KV
+    assert "term by term" in out.with_suffix(".md").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # the floor table rebuilt from the JSON alone (the workers' rates) gives the rows' x_floor back
     rebuilt = importlib.import_module("floor_table").rebuild(str(out), remeasure=False, threads=1, out=None)
