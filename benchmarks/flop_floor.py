@@ -25,7 +25,7 @@ Floor of a phase = max(required FLOPs / GEMM rate, bytes moved / copy bandwidth)
 pass over the model's linears, each with its own weight in the model's order (the memory a step streams), through
 `torch.nn.functional.linear` (forward, and for the backward the two transposed GEMMs) at M rows, in the worker's
 threads and dtype, timed by the phase clock's kind (CPU seconds on CPU, synchronised wall on CUDA), the fastest of at
-least 3 passes (the attainable rate on a shared machine); one rate per phase: the rollout's at M = the rollout's rows
+least 5 passes and 1 s (the attainable rate on a shared machine); one rate per phase: the rollout's at M = the rollout's rows
 (G x prompts), forward's and backward's at M = `TRAIN_ROWS`. Bytes moved: only the rollout's decode is counted (training is compute-bound): per decode step every
 weight once (in the compute dtype) plus the KV read, each group's prompt once (a cascade) and each sample's own
 tokens; the copy bandwidth is `Tensor.copy_` of a large buffer.
@@ -171,7 +171,7 @@ def _fastest(fn, device: torch.device, min_calls: int = 3, min_s: float = 0.2) -
 def gemm_rate(shape: ModelShape, rows: int, device: torch.device, dtype: torch.dtype, backward: bool = False) -> float:
     """FLOP/s of one pass over the model's linears at `rows` rows: every body linear in the model's order, each with
     its own weight, then the head (a step streams its weights: one layer's do not stay in cache until the next use,
-    so one shape's weight timed over and over would overstate the rate), the fastest of at least 3 passes;
+    so one shape's weight timed over and over would overstate the rate), the fastest of at least 5 passes and 1 s;
     `backward`: the two transposed GEMMs of the backward (input and weight gradients) instead."""
     shapes = [*shape.body, shape.head]
     weights = [torch.randn(n, k, device=device, dtype=dtype) for k, n in shapes]
@@ -183,7 +183,7 @@ def gemm_rate(shape: ModelShape, rows: int, device: torch.device, dtype: torch.d
         for (k, n), w in zip(shapes, weights):
             _gemms(xs[k], w, gs[n], backward)
 
-    return flops / _fastest(one_pass, device)
+    return flops / _fastest(one_pass, device, min_calls=5, min_s=1.0)  # at 16 rows a pass is ~0.1 s: 10 of them
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> float:
