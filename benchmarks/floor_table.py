@@ -98,7 +98,8 @@ def floor_header(floor_data: dict | None, budget: float) -> dict:
     r = floor_data["rates"]
     return {"floor": (f"required FLOPs by the formula of benchmarks/flop_floor.py (no padding, prompt once per group, "
                       f"each completion token once, backward = 2x forward, recomputation only when one sample's "
-                      f"activations exceed {budget / 1e9:.1f} GB); counted with FlopCounterMode in the warm-up step"),
+                      f"activations exceed {budget / 1e9:.1f} GB); counted with FlopCounterMode in a warm-up step, "
+                      f"{floor_data.get('counted_in', 'in the measuring worker')}"),
             "GEMM rate": (f"{r['rollout'] / 1e9:.1f} GFLOP/s at {r['rollout_rows']} rows (rollout), "
                           f"{r['forward'] / 1e9:.1f} forward / {r['backward'] / 1e9:.1f} backward GFLOP/s at "
                           f"{r['train_rows']} rows, {r['dtype']}, the model's linear shapes, in the worker "
@@ -106,10 +107,30 @@ def floor_header(floor_data: dict | None, budget: float) -> dict:
             "copy bandwidth": f"{r['bandwidth'] / 1e9:.1f} GB/s (Tensor.copy_, read + write)"}
 
 
-def rebuild(path: str, remeasure: bool, threads: int, out: str | None) -> list[dict]:
+def best_rates(rows: list[dict]) -> dict:
+    """Per rollout row count, the fastest rates any worker of the run measured (each rate and the bandwidth on its
+    own): on a shared machine one worker's measurement can catch a slow moment, and the floor is what the machine
+    can reach."""
+    measured = [r["floor_data"]["rates"] for r in rows if (r.get("floor_data") or {}).get("rates")]
+    best: dict = {}
+    for rates in measured:
+        key = rates["rollout_rows"]
+        if key in best:
+            best[key] = {k: max(v, rates[k]) if k in ("rollout", "bandwidth") else v for k, v in best[key].items()}
+        else:
+            best[key] = dict(rates)
+    for k in ("forward", "backward"):  # training rates (at TRAIN_ROWS) do not depend on the rollout's rows
+        fastest = max(r[k] for r in measured)
+        for rates in best.values():
+            rates[k] = fastest
+    return best
+
+
+def rebuild(path: str, remeasure: bool, threads: int, out: str | None, best: bool = False) -> list[dict]:
     """The floor table of a `grpo_step.py` / `grpo_scaling.py` JSON rebuilt from its rows' `floor_data`; with
     `remeasure`, the GEMM rates and bandwidth measured again in this process (`threads` torch threads, CPU) instead
-    of the workers' own, stated in the output."""
+    of the workers' own; with `best`, every row's floor uses the fastest rates any of the run's workers measured
+    (`best_rates`); stated in the output."""
     import json
     from pathlib import Path
 
@@ -119,13 +140,15 @@ def rebuild(path: str, remeasure: bool, threads: int, out: str | None) -> list[d
     clock = "wall" if "wall" in str(data.get("phase clock", "cpu")) else "cpu"
     budget = float(data.get("floor_memory_bytes") or machine_memory_bytes(torch.device("cpu")))
     torch.set_num_threads(threads)
-    cache: dict = {}
+    cache: dict = best_rates(data["rows"]) if best and not remeasure else {}
     rows = []
     for row in data["rows"]:
         floor = row.get("floor_data")
         if not floor:
             continue
-        if remeasure:
+        if cache and not remeasure:
+            floor = {**floor, "rates": cache[floor["rates"]["rollout_rows"]]}
+        elif remeasure:
             key = floor["rates"]["rollout_rows"]
             if key not in cache:
                 shape = _shape(floor)
@@ -140,7 +163,7 @@ def rebuild(path: str, remeasure: bool, threads: int, out: str | None) -> list[d
                 row[column] = _mean(s["phases_" + clock][phase] for s in measured)
         rows += floor_rows(size, row["trainer"], {"floor": floor}, row, clock, budget)
     if out:
-        Path(out).write_text(json.dumps({"source": path, "remeasured": remeasure, "threads": threads,
+        Path(out).write_text(json.dumps({"source": path, "remeasured": remeasure, "best": best, "threads": threads,
                                          "rates": cache, "floor_rows": rows}, indent=1))
     return rows
 
@@ -153,8 +176,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=rebuild.__doc__)
     p.add_argument("json")
     p.add_argument("--remeasure", action="store_true")
+    p.add_argument("--best", action="store_true", help="the fastest rates any worker of the run measured")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    t = Table(FLOOR_COLUMNS, rebuild(a.json, a.remeasure, a.threads, a.out))
+    t = Table(FLOOR_COLUMNS, rebuild(a.json, a.remeasure, a.threads, a.out, a.best))
     print(t.markdown())

@@ -127,6 +127,23 @@ def test_separate_count_worker_fills_the_first_step(tmp_path, monkeypatch):
     assert len(argvs) == 1 and off["floor"]["steps"][0]["counted"] is None
 
 
+def test_best_rates_take_each_rate_at_its_fastest():
+    table = importlib.import_module("floor_table")
+
+    def row(rows, rollout, forward, backward, bandwidth):
+        return {"floor_data": {"rates": {"rollout": rollout, "forward": forward, "backward": backward,
+                                         "bandwidth": bandwidth, "rollout_rows": rows, "train_rows": 512,
+                                         "dtype": "float32"}}}
+
+    best = table.best_rates([row(16, 44.0, 95.0, 98.0, 19.0), row(16, 35.0, 90.0, 99.0, 20.0),
+                             row(32, 60.0, 92.0, 97.0, 18.0), {"trainer": "failed, no floor"}])
+    assert best[16] == {"rollout": 44.0, "forward": 95.0, "backward": 99.0, "bandwidth": 20.0, "rollout_rows": 16,
+                        "train_rows": 512, "dtype": "float32"}
+    # the training rates (512 rows whatever the rollout's) are shared across row counts; the rollout's are not
+    assert best[32]["rollout"] == 60.0 and best[32]["forward"] == 95.0 and best[32]["backward"] == 99.0
+    assert best[32]["bandwidth"] == 18.0
+
+
 def test_largest_backward_slice():
     """The slices `loss_slices.py` cuts: one group of G rows under the budget is one slice; above it, 2 : 1 : ... : 1
     of the tokens (a later slice encodes the prompt again)."""
