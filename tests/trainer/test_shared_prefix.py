@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _models import tiny_model
 from trainer_helpers import cpu_args, token_sum_reward
 from trl import GRPOConfig, GRPOTrainer
@@ -33,14 +34,14 @@ ARCHS = {
 }
 
 
-def trl_batch(vocab: int, seed: int = 0, group_size: int = 3) -> dict:
+def trl_batch(vocab: int, seed: int = 0, group_size: int = 3, prompt_lens: tuple[int, int] = (13, 6)) -> dict:
     """Two groups of `group_size` rows in TRL's layout: prompts of 13 and 6 tokens left-padded to 13, completions of
     0..7 tokens right-padded to 7 (the first row of the second group fully masked), advantages, sampling log-probs
     a little off the policy's (so that ratios clip), `num_items_in_batch`."""
     g = torch.Generator().manual_seed(seed)
-    P, C = 13, 7
+    P, C = max(prompt_lens), 7
     rows, pmask, comp, cmask = [], [], [], []
-    for gi, plen in enumerate((13, 6)):
+    for gi, plen in enumerate(prompt_lens):
         prompt = torch.randint(4, vocab, (plen,), generator=g)
         for j in range(group_size):
             n = 0 if (gi, j) == (1, 0) else int(torch.randint(1, C + 1, (1,), generator=g))
@@ -106,6 +107,42 @@ def test_shared_prefix_forward_equals_trl_for_every_loss(tmp_path, tokenizer, da
         ref.loss_type = ours.loss_type = loss_type
         ref.top_entropy_quantile = ours.top_entropy_quantile = quantile  # 0.5: the loss on high-entropy tokens only
         assert_same_loss_and_grads(ref, ours, inputs, loss_type)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_rows_attend_causally_when_every_shared_part_is_full(tmp_path, tokenizer, dataset, arch, monkeypatch):
+    """Prompts of one length shorter than the completions: the rows' attention runs with `is_causal` over every key
+    slot instead of a mask (gemma2: its soft-capped layers keep the mask); log-probs, loss and gradients equal TRL's,
+    and the masked form's."""
+    ref, ours = trainers(tmp_path, arch, tokenizer, dataset, backward_token_budget=None)
+    inputs = trl_batch(ref.model.config.vocab_size, prompt_lens=(4, 4))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    assert pack_rows(ids, mask, 7).causal_rows
+    other = trl_batch(ref.model.config.vocab_size)  # prompts of 13 and 6 tokens: the second group's is padded
+    assert not pack_rows(torch.cat([other["prompt_ids"], other["completion_ids"]], 1),
+                         torch.cat([other["prompt_mask"], other["completion_mask"]], 1), 7).causal_rows
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(bool(kwargs.get("is_causal")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    want = ref._get_per_token_logps_and_entropies(ref.model, ids, mask, 7, compute_entropy=True)
+    seen.clear()
+    got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 7, compute_entropy=True)
+    assert any(seen) == (arch != "gemma2"), seen  # gemma2 soft-caps: eager scores with the mask
+    assert_close(got[0], want[0], "log-probs")
+    assert_close(got[1], want[1], "entropies")
+    assert_same_loss_and_grads(ref, ours, inputs, "dapo, causal rows")
+    causal_loss, causal_grads = loss_and_grads(ours, inputs)
+    monkeypatch.setattr(GroupedLayout, "causal_rows", property(lambda self: False))
+    masked_loss, masked_grads = loss_and_grads(ours, inputs)
+    assert_close(causal_loss, masked_loss, "loss, causal vs masked rows")
+    for name in masked_grads:
+        assert_close(causal_grads[name], masked_grads[name], f"gradient of {name}, causal vs masked rows")
 
 
 def assert_same_loss_and_grads(ref, ours, inputs, what: str) -> None:

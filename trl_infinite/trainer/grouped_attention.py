@@ -10,7 +10,9 @@ Grouped attention, per layer, with the layer's scale, sliding window / chunk (it
 - each group's shared prompt tokens attend causally among themselves: [S, H, s_max, D] queries against [S, Hkv,
   s_max, D] keys;
 - each row's tokens attend to its group's shared tokens and causally to themselves: [R, H, r_max, D] queries against
-  [R, Hkv, s_max + r_max, D] keys;
+  [R, Hkv, s_max + r_max, D] keys with a mask; or, for a plain-causal layer when every row's shared part is full
+  and shorter than the rows (`GroupedLayout.causal_rows`), every key slot queries with `is_causal` (no mask: the
+  kernel skips the blocks above the diagonal; the shared slots' outputs are dropped);
 then every token's output is taken back into packed order. The gathers are differentiable, so the gradient of a
 shared key or value is the sum over the rows that read it.
 """
@@ -133,17 +135,24 @@ def grouped_attention(
         idx = lay.shared_index
         out = _attend(q[idx], k[idx], v[idx], shared_mask, scale, softcap, s_aux)  # [S, s_max, H, Dv]
         parts.append(out.flatten(0, 1))
-    out = _attend(q[lay.row_index], k[lay.row_keys], v[lay.row_keys], row_mask, scale, softcap, s_aux)
+    keys = lay.row_keys
+    if lay.causal_rows and spec.sliding_window is None and spec.chunk_size is None and softcap is None and s_aux is None:
+        # every key slot queries (the shared slots' outputs are dropped): causal, no mask, the blocks above the
+        # diagonal skipped; the own slots' outputs are those of the masked form below
+        out = _attend(q[keys], k[keys], v[keys], None, scale, None, None)[:, lay.shared_index.shape[1]:]
+    else:
+        out = _attend(q[lay.row_index], k[keys], v[keys], row_mask, scale, softcap, s_aux)
     parts.append(out.flatten(0, 1))  # [R * r_max, H, Dv]
     slots = torch.cat(parts) if len(parts) > 1 else parts[0]
     return slots.index_select(0, lay.slot_of_token)[None], None  # [1, N, H, Dv]
 
 
 def _attend(q, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
-    """[S, Q, H, Dk] queries, [S, K, Hkv, *] keys / values, [S, 1, Q, K] bool mask -> [S, Q, H, Dv]."""
+    """[S, Q, H, Dk] queries, [S, K, Hkv, *] keys / values, [S, 1, Q, K] bool mask (None: causal, Q = K) ->
+    [S, Q, H, Dv]."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [S, H(kv), Q|K, D]
     if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=mask is None,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2)
     group = q.shape[1] // k.shape[1]

@@ -55,10 +55,24 @@ class GroupedLayout:
     batch_shape: tuple[int, int]  # (B, C) of TRL's per-token outputs
     num_groups: int
     _masks: dict = field(default_factory=dict, repr=False)
+    _causal_rows: bool | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+    @property
+    def causal_rows(self) -> bool:
+        """Whether each row's keys (its group's shared slots, then its own) are one unbroken causal run: every row
+        has a full shared part of `s_max` tokens (no padding before its own tokens), and the shared part is shorter
+        than the longest row (so attending from every key slot, the shared slots' wasted queries included, with a
+        causal mask costs less than the rows' dense masked attention). Then a plain-causal layer can attend the rows
+        with `is_causal` (blocks above the diagonal skipped) instead of an explicit mask."""
+        if self._causal_rows is None:
+            s_max, r_max = self.shared_index.shape[1], self.row_index.shape[1]
+            full = self.shared_index.shape[0] > 0 and bool(self.row_keys_valid[:, :s_max].all())
+            self._causal_rows = full and s_max < r_max
+        return self._causal_rows
 
     def masks(self, sliding_window: int | None, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Boolean masks of one attention pattern (built once per forward and pattern, shared by its layers):
