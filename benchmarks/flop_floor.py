@@ -25,9 +25,9 @@ Floor of a phase = max(required FLOPs / GEMM rate, bytes moved / copy bandwidth)
 pass over the model's linears, each with its own weight in the model's order (the memory a step streams), through
 `torch.nn.functional.linear` (forward, and for the backward the two transposed GEMMs) at M rows, in the worker's
 threads and dtype, timed by the phase clock's kind (CPU seconds on CPU, synchronised wall on CUDA), the fastest of at
-least 5 passes and 1 s (the attainable rate on a shared machine); one rate per phase: the rollout's at M = the rollout's rows
-(G x prompts), forward's and backward's at M = `TRAIN_ROWS`. Bytes moved: only the rollout's decode is counted (training is compute-bound): per decode step every
-weight once (in the compute dtype) plus the KV read, each group's prompt once (a cascade) and each sample's own
+least 5 passes and 1 s (the attainable rate on a shared machine); one rate per phase: the rollout's at M = the
+rollout's rows (G x prompts), forward's and backward's at M = `TRAIN_ROWS`. Bytes moved: only the rollout's decode
+is counted (training is compute-bound): per decode step every weight once (in the compute dtype) plus the KV read, each group's prompt once (a cascade) and each sample's own
 tokens; the copy bandwidth is `Tensor.copy_` of a large buffer.
 
 Counted FLOPs (`torch.utils.flop_counter.FlopCounterMode`, matmuls and attention): in a warm-up step (step 1,

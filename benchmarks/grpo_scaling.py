@@ -14,7 +14,8 @@ Columns (per point and trainer, the measured steps after the warm-up):
 - `x_trl_time`, `x_trl_mem`: ours over `GRPOTrainer`'s at the same point; `x_floor`: step time over the step's floor
   (`floor_table.py`); `run_s`: wall seconds of the whole worker (load, the steps, the floor's GEMM timing).
 A second table (`memory_terms.py`) splits our measured phase peaks into the terms that explain them (KV, the host
-cache, gradients, one backward slice, the log-prob tiles). The PNG (`--png`, matplotlib) plots ms per completion token and peak memory against G and against L, both trainers.
+cache, gradients, one backward slice, the log-prob tiles). The PNG (`--png`, matplotlib) plots ms per completion
+token and peak memory against G and against L, both trainers.
 
     python benchmarks/grpo_scaling.py --json /tmp/scaling.json --png benchmarks/grpo_scaling.png   # CPU: hours
     python benchmarks/grpo_scaling.py --model tiny --points 2@4 4@4 2@8 --prompt-len 8 --png /tmp/s.png   # smoke

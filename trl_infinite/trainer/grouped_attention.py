@@ -11,7 +11,7 @@ Grouped attention, per layer, with the layer's scale, sliding window / chunk (it
   s_max, D] keys;
 - each row's tokens attend to its group's shared tokens and causally to themselves: [R, H, r_max, D] queries against
   [R, Hkv, s_max + r_max, D] keys with a mask; or, for a plain-causal layer when every row's shared part is full
-  and shorter than the rows (`GroupedLayout.causal_rows`), every key slot queries with `is_causal` (no mask: the
+  and shorter than the rows (`GroupedLayout.causal_rows`, decided when the batch is packed), every key slot queries with `is_causal` (no mask: the
   kernel skips the blocks above the diagonal; the shared slots' outputs are dropped);
 then every token's output is taken back into packed order. The gathers are differentiable, so the gradient of a
 shared key or value is the sum over the rows that read it.

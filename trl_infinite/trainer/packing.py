@@ -54,25 +54,16 @@ class GroupedLayout:
     out_cols: torch.Tensor  # [M] completion column of each scored token
     batch_shape: tuple[int, int]  # (B, C) of TRL's per-token outputs
     num_groups: int
+    # each row's keys (its group's shared slots, then its own) are one unbroken causal run: every row has its
+    # group's whole shared part of `s_max` tokens (no padding before its own tokens), and `s_max < r_max` (so
+    # attending from every key slot, the shared slots' wasted queries included, with a causal mask costs less than
+    # the rows' dense masked attention); then a plain-causal layer attends the rows with `is_causal`
+    causal_rows: bool
     _masks: dict = field(default_factory=dict, repr=False)
-    _causal_rows: bool | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
-
-    @property
-    def causal_rows(self) -> bool:
-        """Whether each row's keys (its group's shared slots, then its own) are one unbroken causal run: every row
-        has a full shared part of `s_max` tokens (no padding before its own tokens), and the shared part is shorter
-        than the longest row (so attending from every key slot, the shared slots' wasted queries included, with a
-        causal mask costs less than the rows' dense masked attention). Then a plain-causal layer can attend the rows
-        with `is_causal` (blocks above the diagonal skipped) instead of an explicit mask."""
-        if self._causal_rows is None:
-            s_max, r_max = self.shared_index.shape[1], self.row_index.shape[1]
-            full = self.shared_index.shape[0] > 0 and bool(self.row_keys_valid[:, :s_max].all())
-            self._causal_rows = full and s_max < r_max
-        return self._causal_rows
 
     def masks(self, sliding_window: int | None, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Boolean masks of one attention pattern (built once per forward and pattern, shared by its layers):
@@ -184,6 +175,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     else:
         k_shared = torch.zeros(len(row_segs), s_max, dtype=torch.long)
         k_shared_valid = torch.zeros(len(row_segs), s_max, dtype=torch.bool)
+    causal_rows = bool(shared_segs.numel()) and bool(k_shared_valid.all()) and s_max < r_max
     row_keys = torch.cat([torch.where(k_shared_valid, k_shared, 0), row_index], dim=1)
     row_keys_valid = torch.cat([k_shared_valid, row_valid], dim=1)
 
@@ -211,4 +203,5 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
         row_keys=dev(row_keys), row_keys_valid=dev(row_keys_valid),
         slot_of_token=dev(slot_of_token), score_index=dev(score_index), labels=dev(labels),
         out_rows=dev(out_rows), out_cols=dev(out_cols), batch_shape=(B, C), num_groups=len(groups),
+        causal_rows=causal_rows,
     )
