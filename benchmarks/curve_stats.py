@@ -4,6 +4,10 @@ Statistics (stated in `learning_curve.py`'s docstring): per seed, `final` = the 
 `final_window` steps and `auc` = the mean reward over all steps; ours minus TRL's across seeds with Welch's t
 interval (unequal variances, Welch-Satterthwaite degrees of freedom): "equivalent" when the 90% interval lies inside
 +-tolerance (TOST at 5%), "different" when the 95% interval excludes 0, "inconclusive" otherwise.
+
+Completion lengths along the run (`length_blocks`): per block of `final_window` steps (the first step alone first:
+both trainers sample it from the same weights), each seed's mean completion length over the block's steps; per
+trainer the mean and spread over seeds, and ours minus TRL's with Welch's 95% interval.
 """
 
 from __future__ import annotations
@@ -131,7 +135,41 @@ def compare_runs(runs: list[dict], final_window: int, smooth: int, level: float 
             ratio = ours / trl if ours is not None and trl else None
             data[f"{clock}_to_level_ratio"] = ratio
             lines.append(f"- {clock} time to the level, ours / TRL's: {_fmt(ratio)}")
+        blocks = length_blocks(by, final_window)
+        data["length_blocks"] = blocks
+        if blocks:
+            lines += ["", "Mean completion length (tokens) by steps, mean ± spread over seeds; ours - TRL with Welch's "
+                      "95% interval:", "", "| steps | GRPOTrainer | InfiniteGRPOTrainer | ours - TRL | 95% interval |",
+                      "|---|---|---|---|---|"]
+            for b in blocks:
+                ci = b["welch95"]
+                diff, span = (f"{ci[0]:+.1f}", f"[{ci[1]:+.1f}, {ci[2]:+.1f}]") if ci else ("-", "-")
+                lines.append(f"| {b['steps']} | {_pm(b['trl'], '.1f')} | {_pm(b['infinite'], '.1f')} | {diff} | "
+                             f"{span} |")
     return Report("\n".join(lines) + "\n", level, data)
+
+
+def _pm(pair: tuple, spec: str) -> str:
+    m, s = pair
+    return "-" if m is None else f"{m:{spec}}" + (f" ± {s:{spec}}" if s is not None else "")
+
+
+def length_blocks(by: dict[str, list[dict]], width: int) -> list[dict]:
+    """Per block of steps (step 1 alone, then `width` steps at a time): each trainer's (mean, spread) over seeds of
+    the seeds' mean completion length in the block, and ours - TRL's with Welch's 95% interval. Empty when a run
+    logged no lengths."""
+    key = "completions/mean_length"
+    if any(key not in s for rs in by.values() for r in rs for s in r["steps"]):
+        return []
+    n = min(len(r["steps"]) for rs in by.values() for r in rs)
+    edges = [(0, 1), *((a, min(a + width, n)) for a in range(1, n, width))]
+    out = []
+    for lo, hi in edges:
+        per = {k: [_mean([s[key] for s in r["steps"][lo:hi] if key in s]) for r in rs] for k, rs in by.items()}
+        out.append({"steps": f"{lo + 1}" if hi == lo + 1 else f"{lo + 1}-{hi}",
+                    **{k: (_mean(xs), _std(xs)) for k, xs in per.items()},
+                    "welch95": welch(per["infinite"], per["trl"], 0.95)})
+    return out
 
 
 def _fmt(x) -> str:

@@ -17,7 +17,11 @@ A second table (`memory_terms.py`) splits our measured phase peaks into the term
 cache, gradients, one backward slice, the log-prob tiles). The PNG (`--png`, matplotlib) plots ms per completion
 token and peak memory against G and against L, both trainers.
 
+A worker runs `--steps` steps (default 2), the first a warm-up; `--warmup-length N` (grpo_step's) makes the warm-up
+step's completions N tokens, so a long point pays one full-size step, not two.
+
     python benchmarks/grpo_scaling.py --json /tmp/scaling.json --png benchmarks/grpo_scaling.png   # CPU: hours
+    python benchmarks/grpo_scaling.py --points 8@256 8@1024 8@4096 --warmup-length 16 --json /tmp/length.json
     python benchmarks/grpo_scaling.py --model tiny --points 2@4 4@4 2@8 --prompt-len 8 --png /tmp/s.png   # smoke
 """
 

@@ -97,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GxP@L: G generations x P prompts per step @ max_completion_length")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per trainer; the first is a warm-up")
     p.add_argument("--lengths", choices=["natural", "forced"], default="natural")
+    p.add_argument("--warmup-length", type=int, default=None,
+                   help="with --lengths forced: every completion of the warm-up step is this many tokens (default: "
+                   "as the measured steps'); the warm-up still runs every phase once, so one-time costs stay out of "
+                   "the measured steps, without a second full-size step at long lengths")
     p.add_argument("--trace", default=None, help="forced lengths from this JSONL trace (else log-normal)")
     p.add_argument("--mean", type=float, default=256.0, help="log-normal mean of forced lengths (tokens)")
     p.add_argument("--sigma", type=float, default=0.6, help="log-normal log-space spread of forced lengths")
@@ -135,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps must be >= 2 (the first step is a warm-up and is not reported)")
     if a.threads < 1 or a.num_prompts < 1 or a.prompt_len < 1:
         p.error("--threads, --num-prompts and --prompt-len must be >= 1")
+    if a.warmup_length is not None and (a.lengths != "forced" or a.warmup_length < 1):
+        p.error(f"--warmup-length needs --lengths forced and a value >= 1, got {a.warmup_length}")
     if a.trace is not None and a.lengths != "forced":
         p.error("--trace only applies with --lengths forced")
     if a.worker is not None and (a.result is None or len(a.sizes) != 1):
@@ -152,7 +158,14 @@ def forced_calls(a, size: Size) -> tuple[list[list[list[int]]], str]:
     records, source = trace_lengths(a.steps * size.prompts, size.G, size.max_len, a.trace, a.mean, a.sigma,
                                     a.prompt_len, seed=0)
     lengths = [r.lengths for r in records]
-    return [lengths[k * size.prompts:(k + 1) * size.prompts] for k in range(a.steps)], source
+    calls = [lengths[k * size.prompts:(k + 1) * size.prompts] for k in range(a.steps)]
+    if a.warmup_length is not None:
+        if a.warmup_length > size.max_len:
+            raise ValueError(f"--warmup-length {a.warmup_length} exceeds the size's max_completion_length "
+                             f"{size.max_len}")
+        calls[0] = [[a.warmup_length] * len(prompt) for prompt in calls[0]]
+        source += f"; the warm-up step's completions {a.warmup_length} tokens"
+    return calls, source
 
 
 # ---------------------------------------------------------------------------------------------------------- worker
@@ -233,7 +246,7 @@ def worker_argv(a, kind: str, size: Size, result: str, count_only: bool = False)
             "--threads", str(a.threads), "--seed", str(a.seed), "--phase-clock", a.phase_clock,
             "--count-flops", a.count_flops]
     for flag, value in (("--trace", a.trace), ("--data", a.data), ("--device", a.device),
-                        ("--cb-memory-percent", a.cb_memory_percent)):
+                        ("--cb-memory-percent", a.cb_memory_percent), ("--warmup-length", a.warmup_length)):
         if value is not None:
             argv += [flag, str(value)]
     for item in a.rollout:

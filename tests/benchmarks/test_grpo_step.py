@@ -81,6 +81,24 @@ def test_forced_lengths_reach_the_rollout(kind, hook):
         assert row["engine"] == "yes"
 
 
+def test_a_short_warm_up_step_leaves_the_measured_steps_at_their_length():
+    grpo_step = importlib.import_module("grpo_step")
+    result, a = worker("infinite", "--lengths", "forced", "--sigma", "0", "--mean", "24", "--warmup-length", "3")
+    calls, source = grpo_step.forced_calls(a, a.sizes[0])
+    assert calls[0] == [[3] * 4, [3] * 4] and calls[1] == [[12] * 4, [12] * 4] and "warm-up" in source
+    assert [s["mean_len"] for s in result["steps"]] == [3, 12]
+    row = grpo_step.make_row(a.sizes[0], "infinite", result, "cpu", None)
+    assert row["mean_len"] == 12  # the row is the measured step's
+    argv = grpo_step.worker_argv(a, "infinite", a.sizes[0], "/tmp/r.json")
+    assert grpo_step.parse_args(argv[2:]).warmup_length == 3
+    for bad in (["--warmup-length", "3"], ["--lengths", "forced", "--warmup-length", "0"]):
+        with pytest.raises(SystemExit):
+            grpo_step.parse_args([*ARGS, *bad])
+    with pytest.raises(ValueError, match="exceeds"):
+        grpo_step.forced_calls(grpo_step.parse_args([*ARGS, "--lengths", "forced", "--warmup-length", "13"]),
+                               a.sizes[0])
+
+
 def test_missed_forced_length_is_an_error(monkeypatch):
     probes = importlib.import_module("grpo_probes")
     monkeypatch.setattr(probes.ForcedLengths, "generate", lambda self, original: original)  # never forces

@@ -72,9 +72,29 @@ def test_merge_refuses_other_settings_and_repeated_seeds(tmp_path):
     assert [r["seed"] for r in runs] == [0] and "commit abc" in lines[0]
 
 
-def run(trainer: str, seed: int, rewards: list[float], step_s: float = 1.0) -> dict:
-    return {"trainer": trainer, "seed": seed,
-            "steps": [{"step": i + 1, "reward": r, "wall_s": step_s, "cpu_s": step_s / 2} for i, r in enumerate(rewards)]}
+def run(trainer: str, seed: int, rewards: list[float], step_s: float = 1.0, lengths: list[float] | None = None) -> dict:
+    steps = [{"step": i + 1, "reward": r, "wall_s": step_s, "cpu_s": step_s / 2} for i, r in enumerate(rewards)]
+    for s, n in zip(steps, lengths or []):
+        s["completions/mean_length"] = n
+    return {"trainer": trainer, "seed": seed, "steps": steps}
+
+
+def test_completion_lengths_are_compared_by_blocks_of_steps():
+    stats = importlib.import_module("curve_stats")
+    # 6 steps, blocks: step 1, steps 2-4, steps 5-6; ours 10 tokens shorter from step 2 on, same at step 1
+    runs = [run("trl", s, [0.0] * 6, lengths=[50 + d, 50, 50, 50 + d, 40, 40 - d]) for s, d in enumerate((0, 2, -2))]
+    runs += [run("infinite", s, [0.0] * 6, lengths=[50 - d, 40, 40, 40 + d, 30, 30]) for s, d in enumerate((1, 0, -1))]
+    report = stats.compare_runs(runs, final_window=3, smooth=1, level=0.5, tolerance=0.15)
+    blocks = report.data["length_blocks"]
+    assert [b["steps"] for b in blocks] == ["1", "2-4", "5-6"]
+    assert blocks[0]["trl"][0] == pytest.approx(50) and blocks[0]["infinite"][0] == pytest.approx(50)
+    low, high = blocks[0]["welch95"][1:]
+    assert low < 0 < high  # the same at step 1
+    assert blocks[1]["welch95"][0] == pytest.approx(-10) and blocks[1]["welch95"][2] < 0  # shorter, and it shows
+    assert "| 2-4 | 50.0 ± " in report.markdown and "| -10.0 |" in report.markdown
+    # runs that logged no lengths: no table, no error
+    report = stats.compare_runs([run("trl", 0, [0.0, 1.0]), run("infinite", 0, [0.0, 1.0])], 1, 1, 0.5, 0.15)
+    assert report.data["length_blocks"] == [] and "completion length" not in report.markdown
 
 
 def test_verdicts_and_time_to_level_on_known_curves():
