@@ -117,8 +117,7 @@ def compare_runs(runs: list[dict], final_window: int, smooth: int, level: float 
         data["trainers"][k] = row
 
         def pm(xs):
-            m, s = _mean(xs), _std(xs)
-            return f"{m:.3f}" + (f" ± {s:.3f}" if s is not None else "")
+            return _pm((_mean(xs), _std(xs)), ".3f")
 
         lines.append(f"| {TRAINERS[k]} | {len(rs)} | {pm(final[k])} | {pm(auc[k])} | {row['wall_s_per_step']:.1f} | "
                      f"{row['cpu_s_per_step']:.1f} | {_fmt(_mean(reach[k][0]))} | {_fmt(_mean(reach[k][1]))} | "
@@ -165,7 +164,7 @@ def length_blocks(by: dict[str, list[dict]], width: int) -> list[dict]:
     edges = [(0, 1), *((a, min(a + width, n)) for a in range(1, n, width))]
     out = []
     for lo, hi in edges:
-        per = {k: [_mean([s[key] for s in r["steps"][lo:hi] if key in s]) for r in rs] for k, rs in by.items()}
+        per = {k: [_mean([s[key] for s in r["steps"][lo:hi]]) for r in rs] for k, rs in by.items()}
         out.append({"steps": f"{lo + 1}" if hi == lo + 1 else f"{lo + 1}-{hi}",
                     **{k: (_mean(xs), _std(xs)) for k, xs in per.items()},
                     "welch95": welch(per["infinite"], per["trl"], 0.95)})
