@@ -3,13 +3,14 @@
 With `gradient_checkpointing=True` (TRL's default), slices of the loss whose activations fit `activation_memory_gb`
 run without recomputing their forward in the backward; the loss and every gradient stay `GRPOTrainer`'s (float32,
 relative 1e-4 of the largest value, the tolerance of `test_shared_prefix.py`: different reduction orders; a real
-mismatch is of order 1).
+mismatch is of order 1); slices that fit only with their matrix products kept recompute the rest selectively.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from _models import tiny_model
 from test_shared_prefix import assert_same_loss_and_grads, loss_and_grads, trainers, trl_batch
 from trainer_helpers import cpu_args
@@ -17,7 +18,13 @@ from trainer_helpers import cpu_args
 from trl_infinite.trainer import recompute
 from trl_infinite.trainer.loss_slices import loss_slices, row_costs
 from trl_infinite.trainer.micro_batches import take_rows
-from trl_infinite.trainer.recompute import activation_bytes_per_token, checkpointed_modules, no_recompute
+from trl_infinite.trainer.recompute import (
+    Recompute,
+    activation_bytes_per_token,
+    checkpointed_modules,
+    no_recompute,
+    selective_bytes_per_token,
+)
 
 
 def checkpointed(pair):
@@ -44,12 +51,15 @@ def count_recomputations(model: torch.nn.Module) -> list[int]:
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_prefix", "padded"])
 def test_slices_that_fit_skip_recomputation_with_trls_loss_and_gradients(tmp_path, tokenizer, dataset, shared,
                                                                          monkeypatch):
+    """Without the selective tier (a checkpointing function that cannot take a policy), slices are cut to what fits
+    without recomputation, and none recomputes."""
     monkeypatch.setattr(recompute, "MIN_SLICE_TOKENS", 8)
+    monkeypatch.setattr(recompute, "selective_available", lambda model: False)
     probe = tiny_model("qwen3")
     per_token = activation_bytes_per_token(probe)
     # room for 24 tokens of activations (a row holds at most 21): the batch (packed: about 50 tokens, padded: 6 rows
     # x 20) runs as several slices
-    limit_gb = 24 * per_token / 1e9
+    limit_gb = 24.5 * per_token / 1e9
     ref, ours = checkpointed(trainers(tmp_path, "qwen3", tokenizer, dataset, gradient_checkpointing=True,
                                       shared_prefix_training=shared, activation_memory_gb=limit_gb))
     assert checkpointed_modules(ref.model) and checkpointed_modules(ours.model)
@@ -63,6 +73,64 @@ def test_slices_that_fit_skip_recomputation_with_trls_loss_and_gradients(tmp_pat
         assert_same_loss_and_grads(ref, ours, inputs, loss_type)
     assert ref_calls[0] > 0 and our_calls[0] == 0, (ref_calls, our_calls)
     assert all(m.gradient_checkpointing for m in checkpointed_modules(ours.model))  # restored after each slice
+
+
+class MatmulCount(TorchDispatchMode):
+    """Counts the matrix products (`aten.mm` / `addmm`) dispatched while active, the backward's included."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prefix", "padded"])
+def test_selective_slices_repeat_no_matrix_product_with_trls_loss_and_gradients(tmp_path, tokenizer, dataset, shared,
+                                                                                monkeypatch):
+    """Slices that fit only with the matrix products kept run selectively: TRL's loss and gradients (the tolerance
+    above), bit for bit the gradients of a full recomputation of the same slices, and as many matrix products as
+    keeping everything (a full recomputation runs each layer's products again)."""
+    monkeypatch.setattr(recompute, "MIN_SLICE_TOKENS", 8)
+    probe = tiny_model("qwen3").train()
+    probe.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    full, kept = activation_bytes_per_token(probe), selective_bytes_per_token(probe)
+    assert 0 < kept < full, (kept, full)
+    limit_gb = 24.5 * kept / 1e9  # 24 tokens kept selectively; without recomputation fewer than a row's 21 tokens
+    ref, ours = checkpointed(trainers(tmp_path, "qwen3", tokenizer, dataset, gradient_checkpointing=True,
+                                      shared_prefix_training=shared, activation_memory_gb=limit_gb))
+    inputs = trl_batch(ref.model.config.vocab_size, seed=1)
+    slices = loss_slices(ours, inputs)
+    costs = [int(row_costs(ours, take_rows(inputs, s)).sum()) for s in slices]
+    modes = [ours.recompute.mode(ours.model, c) for c in costs]
+    assert len(slices) >= 2 and max(costs) <= ours.recompute.max_tokens(ours.model) == 24, costs
+    assert Recompute.SELECTIVE in modes and Recompute.FULL not in modes, (costs, modes)
+    for loss_type in ("dapo", "grpo"):
+        ref.loss_type = ours.loss_type = loss_type
+        assert_same_loss_and_grads(ref, ours, inputs, loss_type)
+    runs = {}
+    for forced in (None, Recompute.FULL, Recompute.NONE):
+        if forced is not None:
+            monkeypatch.setattr(recompute.RecomputePolicy, "mode", lambda self, model, tokens, _m=forced: _m)
+        with MatmulCount() as counter:
+            runs[forced] = (*loss_and_grads(ours, inputs), counter.calls)
+    (loss, grads, products), (full_loss, full_grads, full_products) = runs[None], runs[Recompute.FULL]
+    assert torch.equal(loss, full_loss) and grads.keys() == full_grads.keys()
+    assert all(torch.equal(grads[n], full_grads[n]) for n in grads)
+    assert products == runs[Recompute.NONE][2] < full_products, (products, runs[Recompute.NONE][2], full_products)
+    assert all(m._gradient_checkpointing_func.keywords.get("context_fn") is None
+               for m in checkpointed_modules(ours.model) if hasattr(m, "_gradient_checkpointing_func"))
+
+
+def test_reentrant_checkpointing_has_no_selective_tier():
+    model = tiny_model("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert not recompute.selective_available(model)
+    policy = recompute.RecomputePolicy(1.0)
+    policy.max_tokens(model)
+    assert policy.selective_bytes_per_token is None
 
 
 def test_a_budget_too_small_recomputes_as_trl(tmp_path, tokenizer, dataset):

@@ -40,7 +40,7 @@ from trl_infinite.engine.runner import host_memory
 from trl_infinite.trainer.compat import TRL_HOOKS
 from trl_infinite.trainer.loss_metrics import loss_mask, merge_metrics, metric_weights, piece_rows
 from trl_infinite.trainer.micro_batches import TRL_SET_KEY, take_rows
-from trl_infinite.trainer.recompute import no_recompute
+from trl_infinite.trainer.recompute import Recompute, no_recompute, selective_recompute
 
 ROW_MEAN_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
 TOKEN_MEAN_LOSSES = ("bnpo",)
@@ -183,19 +183,21 @@ def _own_passes(trainer) -> bool:
 
 
 def keep_activations(trainer, model, inputs: dict):
-    """`no_recompute` for a forward whose tokens fit the activation budget (`recompute.py`), else nothing."""
+    """The recomputation of a forward of these rows (`recompute.py`): none where its tokens' activations fit the
+    budget, selective where the kept matrix products fit, else TRL's (nothing changed)."""
     policy = getattr(trainer, "recompute", None)  # (TRL's tests build trainers without `__init__`)
-    if policy is None or policy.limit_bytes is None:
+    if policy is None or policy.limit_bytes is None or not _own_passes(trainer):
         return nullcontext()
-    limit = policy.max_tokens(trainer._policy_module(trainer.model)) if _own_passes(trainer) else None
-    if limit is None or int(row_costs(trainer, inputs).sum()) > limit:
-        return nullcontext()
-    return no_recompute(model)
+    mode = policy.mode(trainer._policy_module(trainer.model), int(row_costs(trainer, inputs).sum()))
+    if mode is Recompute.NONE:
+        return no_recompute(model)
+    return selective_recompute(model) if mode is Recompute.SELECTIVE else nullcontext()
 
 
 def loss_slices(trainer, inputs: dict) -> list[slice] | None:
     """The row slices of a training micro batch over `backward_token_budget` tokens, or over the tokens whose
-    activations fit `activation_memory_gb` without recomputation, whichever is fewer (None: one pass)."""
+    activations fit `activation_memory_gb` without recomputing a matrix product, whichever is fewer (None: one
+    pass)."""
     budget = getattr(trainer.args, "backward_token_budget", None)
     accelerator = trainer.accelerator
     if (budget is None or not _own_passes(trainer) or trainer.loss_type not in SPLITTABLE_LOSSES
