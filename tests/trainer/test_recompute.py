@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from _models import tiny_model
 from test_shared_prefix import assert_same_loss_and_grads, loss_and_grads, trainers, trl_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 from trainer_helpers import cpu_args
 
 from trl_infinite.trainer import recompute

@@ -42,7 +42,7 @@ PROBE_TOKENS = 64
 # the ops whose outputs a selective recomputation keeps: the linear layers' products and the fused attention kernels
 # (never `bmm`: an unfused attention's scores grow with the square of the length)
 SAVED_OPS = frozenset(
-    getattr(getattr(torch.ops.aten, name), "default")
+    getattr(torch.ops.aten, name).default
     for name in ("mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
     if hasattr(torch.ops.aten, name)
