@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=["gsm8k", "tiny"], default="gsm8k")
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=list(TRAINERS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2],
+                   help="seeds to run (none with --merge: only compare and plot the merged files)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
@@ -77,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", choices=list(TRAINERS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not a.seeds and not a.merge:
+        p.error("--seeds: give at least one seed, or --merge files to compare")
+    return a
 
 
 def finished_answer(max_len: int):
@@ -205,19 +209,23 @@ SAME_RUN = ("task", "steps", "num_generations", "prompts", "max_completion_lengt
 
 def merged_runs(a) -> tuple[list[dict], list[str]]:
     """The runs of `--merge`'s files (an error when one differs from this run in `SAME_RUN` or repeats a seed), and a
-    line per file naming its commit and seeds."""
+    line per file naming its commit and seeds. A seed without a finished run of every trainer of `--trainers` (a
+    file written while its runs were going on) is left out, and the line says so."""
     runs, lines, seen = [], [], set(a.seeds)
     for path in a.merge:
         data = json.loads(Path(path).read_text())
         for key in SAME_RUN:
             if data["args"].get(key) != getattr(a, key):
                 raise SystemExit(f"--merge {path}: {key}={data['args'].get(key)!r}, this run has {getattr(a, key)!r}")
+        done = {(r["seed"], r["trainer"]) for r in data["runs"] if "error" not in r}
         seeds = sorted({r["seed"] for r in data["runs"]})
-        if seen & set(seeds):
-            raise SystemExit(f"--merge {path}: seeds {sorted(seen & set(seeds))} are already in this comparison")
-        seen |= set(seeds)
-        runs += data["runs"]
-        lines.append(f"{path}: seeds {seeds}, commit {data.get('commit')}, {data.get('date')}")
+        whole = [s for s in seeds if all((s, t) in done for t in a.trainers)]
+        if seen & set(whole):
+            raise SystemExit(f"--merge {path}: seeds {sorted(seen & set(whole))} are already in this comparison")
+        seen |= set(whole)
+        runs += [r for r in data["runs"] if r["seed"] in whole]
+        left = f" (left out, a trainer's run missing: {sorted(set(seeds) - set(whole))})" if len(whole) < len(seeds) else ""
+        lines.append(f"{path}: seeds {whole}, commit {data.get('commit')}, {data.get('date')}{left}")
     return runs, lines
 
 

@@ -61,7 +61,8 @@ def test_merge_refuses_other_settings_and_repeated_seeds(tmp_path):
     lc = importlib.import_module("learning_curve")
     earlier = tmp_path / "earlier.json"
     a = lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "0"])
-    earlier.write_text(json.dumps({"args": vars(a), "runs": [{"trainer": "trl", "seed": 0, "steps": []}],
+    earlier.write_text(json.dumps({"args": vars(a), "runs": [{"trainer": t, "seed": 0, "steps": []}
+                                                             for t in ("trl", "infinite")],
                                    "commit": "abc", "date": "today"}))
     with pytest.raises(SystemExit, match="seeds \\[0\\] are already"):
         lc.merged_runs(lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "0", "--merge", str(earlier)]))
@@ -69,7 +70,24 @@ def test_merge_refuses_other_settings_and_repeated_seeds(tmp_path):
         lc.merged_runs(lc.parse_args(["--task", "tiny", "--steps", "4", "--seeds", "1", "--merge", str(earlier)]))
     runs, lines = lc.merged_runs(lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "1", "--merge",
                                                 str(earlier)]))
-    assert [r["seed"] for r in runs] == [0] and "commit abc" in lines[0]
+    assert [r["seed"] for r in runs] == [0, 0] and "commit abc" in lines[0]
+
+
+def test_merge_only_keeps_seeds_with_every_trainers_run(tmp_path):
+    """`--seeds` with no seed only compares the merged files; a seed whose file lacks one trainer's run (written
+    while the runs went on) is left out and named."""
+    lc = importlib.import_module("learning_curve")
+    a = lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "0"])
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({"args": vars(a), "commit": "abc", "date": "today", "runs": [
+        {"trainer": "trl", "seed": 0, "steps": []}, {"trainer": "infinite", "seed": 0, "steps": []},
+        {"trainer": "trl", "seed": 1, "steps": []}]}))
+    merge_only = lc.parse_args(["--task", "tiny", "--steps", "3", "--seeds", "--merge", str(part)])
+    runs, lines = lc.merged_runs(merge_only)
+    assert sorted((r["seed"], r["trainer"]) for r in runs) == [(0, "infinite"), (0, "trl")]
+    assert "seeds [0]" in lines[0] and "left out, a trainer's run missing: [1]" in lines[0]
+    with pytest.raises(SystemExit):
+        lc.parse_args(["--task", "tiny", "--seeds"])
 
 
 def run(trainer: str, seed: int, rewards: list[float], step_s: float = 1.0, lengths: list[float] | None = None) -> dict:
