@@ -117,19 +117,17 @@ def selective_recompute(model: torch.nn.Module):
 
 
 class _SavedOutputBytes(TorchDispatchMode):
-    """Records the storages of `SAVED_OPS`' outputs in `kept` (data pointer -> bytes) while `inside[0]` (a
-    checkpointed call is running)."""
+    """Holds on to the outputs of `SAVED_OPS` (in `kept`) while `inside[0]` (a checkpointed call is running), as a
+    selective recomputation does."""
 
-    def __init__(self, inside: list[int], kept: dict[int, int]):
+    def __init__(self, inside: list[int], kept: list[torch.Tensor]):
         super().__init__()
         self.inside, self.kept = inside, kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.inside[0] and func in SAVED_OPS:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            self.kept += [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         return out
 
 
@@ -156,15 +154,14 @@ def _probe(model: torch.nn.Module, tokens: int, hooks, checkpointing: bool = Fal
 def selective_bytes_per_token(model: torch.nn.Module, tokens: int = PROBE_TOKENS) -> float:
     """Bytes a selectively recomputed forward keeps per token: the tensor inputs of each checkpointed call (what
     checkpointing keeps) plus the outputs of `SAVED_OPS` run inside those calls, over one probe forward whose
-    checkpointed calls run their function directly (each storage counted once)."""
+    checkpointed calls run their function directly; every such tensor is held until the end (no storage is freed
+    and its address reused), each storage counted once."""
     modules = [m for m in checkpointed_modules(model) if hasattr(m, "_gradient_checkpointing_func")]
     originals = [m._gradient_checkpointing_func for m in modules]
-    inside, kept = [0], {}
+    inside, kept = [0], []
 
     def counted(function, *args, **kwargs):
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        kept.extend(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
         inside[0] += 1
         try:
             return function(*args, **kwargs)
@@ -179,7 +176,8 @@ def selective_bytes_per_token(model: torch.nn.Module, tokens: int = PROBE_TOKENS
     finally:
         for m, func in zip(modules, originals):
             m._gradient_checkpointing_func = func
-    return sum(kept.values()) / tokens
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return sum(storages.values()) / tokens
 
 
 def activation_bytes_per_token(model: torch.nn.Module, tokens: int = PROBE_TOKENS) -> float:
