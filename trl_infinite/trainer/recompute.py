@@ -14,8 +14,8 @@ sequence, counted by storage with `torch.autograd.graph.saved_tensors_hooks`: Sm
   each;
 - where a slice does not fit without recomputation, it recomputes selectively (`selective_recompute`, PyTorch's
   selective activation checkpointing): the outputs of the layers' matrix products and fused attention are kept
-  (`SAVED_OPS`, 0.76 MB per token on SmolLM2 in float32), the cheap rest (norms, activations, RoPE) is recomputed, so the
-  backward does no matrix product twice; a micro batch is cut into slices that fit that way. It needs TRL's
+  (`SAVED_OPS`, 0.76 MB per token on SmolLM2 in float32), the cheap rest (norms, activations, RoPE) is recomputed,
+  so the backward does no matrix product twice; a micro batch is cut into slices that fit that way. It needs TRL's
   checkpointing function with `use_reentrant=False` (TRL's default); otherwise only the first tier applies;
 - where even `MIN_SLICE_TOKENS` would not fit either way, every slice recomputes, as TRL does.
 The values are the same either way (the recomputed forward is the same computation, a kept output is the forward's
