@@ -97,7 +97,8 @@ def _selective_function(func):
 def selective_available(model: torch.nn.Module) -> bool:
     """Every checkpointed module of `model` can recompute selectively."""
     modules = checkpointed_modules(model)
-    return bool(modules) and all(_selective_function(m._gradient_checkpointing_func) is not None for m in modules)
+    return bool(modules) and all(_selective_function(getattr(m, "_gradient_checkpointing_func", None)) is not None
+                                 for m in modules)
 
 
 @contextmanager
