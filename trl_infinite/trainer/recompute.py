@@ -11,7 +11,8 @@ sequence, counted by storage with `torch.autograd.graph.saved_tensors_hooks`: Sm
 - slices of at most `activation_memory_gb / bytes_per_token` tokens (and `backward_token_budget`) run their forward
   without checkpointing (`no_recompute`); a micro batch is cut into more, smaller slices where needed: their
   gradients accumulate exactly as before (`loss_slices.py`), only a prompt shared by rows of two slices is encoded in
-  each;
+  each. The probes run at two lengths: where the bytes per token grow with the length (an unfused attention keeping
+  its weights, e.g. `eager`, or `sdpa` falling back to its math kernel on older torch), that tier is off;
 - where a slice does not fit without recomputation, it recomputes selectively (`selective_recompute`, PyTorch's
   selective activation checkpointing): the outputs of the layers' matrix products and fused attention are kept
   (`SAVED_OPS`, 0.76 MB per token on SmolLM2 in float32), the cheap rest (norms, activations, RoPE) is recomputed,
@@ -28,6 +29,7 @@ log-probs of the completion tokens) is outside the layers' checkpointing in both
 from __future__ import annotations
 
 import functools
+import math
 from contextlib import contextmanager, nullcontext
 from enum import Enum
 
@@ -39,6 +41,7 @@ from trl_infinite.trainer.stochastic import restore_state, snapshot_state
 
 MIN_SLICE_TOKENS = 256  # below it a slice's matrix products get narrow: recompute instead
 PROBE_TOKENS = 64
+LINEAR_SLACK = 1.1  # per-token bytes at 2 x PROBE_TOKENS at most this much above those at PROBE_TOKENS
 # the ops whose outputs a selective recomputation keeps: the linear layers' products and the fused attention kernels
 # (never `bmm`: an unfused attention's scores grow with the square of the length)
 SAVED_OPS = frozenset(
@@ -197,6 +200,14 @@ def activation_bytes_per_token(model: torch.nn.Module, tokens: int = PROBE_TOKEN
     return sum(saved.values()) / tokens
 
 
+def _linear_bytes_per_token(probe, model: torch.nn.Module) -> float:
+    """`probe`'s bytes per token at twice `PROBE_TOKENS`, or infinity where they exceed those at `PROBE_TOKENS` by
+    more than `LINEAR_SLACK`: the forward keeps something that grows faster than the tokens (an unfused attention's
+    weights), which a limit per token cannot bound."""
+    short, long = probe(model, PROBE_TOKENS), probe(model, 2 * PROBE_TOKENS)
+    return long if long <= LINEAR_SLACK * short else math.inf
+
+
 class RecomputePolicy:
     """Which slices of the loss recompute their activations, and how (module docstring)."""
 
@@ -210,14 +221,13 @@ class RecomputePolicy:
 
     def _fitting(self, model: torch.nn.Module) -> tuple[int, int]:
         """The most tokens whose activations fit the limit without recomputation, and with a selective one (0 where
-        it is unavailable)."""
+        a tier is unavailable)."""
         if self.bytes_per_token is None:
-            self.bytes_per_token = activation_bytes_per_token(model)
+            self.bytes_per_token = _linear_bytes_per_token(activation_bytes_per_token, model)
             if selective_available(model):
-                self.selective_bytes_per_token = selective_bytes_per_token(model)
-        keep = int(self.limit_bytes // max(self.bytes_per_token, 1.0))
-        selective = self.selective_bytes_per_token
-        return keep, 0 if selective is None else int(self.limit_bytes // max(selective, 1.0))
+                self.selective_bytes_per_token = _linear_bytes_per_token(selective_bytes_per_token, model)
+        return tuple(0 if per_token is None or math.isinf(per_token) else int(self.limit_bytes // max(per_token, 1.0))
+                     for per_token in (self.bytes_per_token, self.selective_bytes_per_token))
 
     def max_tokens(self, model: torch.nn.Module) -> int | None:
         """The most tokens one slice may hold and recompute no matrix product; None: recompute (TRL's way)."""
