@@ -168,8 +168,9 @@ def cases(draw) -> Case:
     ours = dict(
         shared_prefix_training=draw(st.booleans()),
         backward_token_budget=draw(st.sampled_from([None, 4096, 8, 20, 40])),
-        # with `gradient_checkpointing`: no recomputation (1.0), slices cut to fit a few dozen tokens' activations
-        # (1e-4: `test_trainer_fuzz.py` lowers `recompute.MIN_SLICE_TOKENS` to 8), recomputation as TRL (None)
+        # with `gradient_checkpointing`: no recomputation (1.0), slices cut to fit a few dozen tokens' activations,
+        # those over about 20 tokens recomputed selectively (1e-4: `test_trainer_fuzz.py` lowers
+        # `recompute.MIN_SLICE_TOKENS` to 8), recomputation as TRL (None)
         activation_memory_gb=draw(st.sampled_from([1.0, 1e-4, None])),
     )
     if rollout == "engine":
