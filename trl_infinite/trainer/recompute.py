@@ -20,8 +20,8 @@ sequence, counted by storage with `torch.autograd.graph.saved_tensors_hooks`: Sm
   checkpointing function with `use_reentrant=False` (TRL's default); otherwise only the first tier applies;
 - where even `MIN_SLICE_TOKENS` would not fit either way, every slice recomputes, as TRL does.
 The values are the same either way (the recomputed forward is the same computation, a kept output is the forward's
-own); only memory and time change. Measured on CPU (SmolLM2-135M, float32, 16 rows x 140 tokens, one thread):
-forward + backward 26.5 s checkpointed, 21.1 s selective, 20.4 s keeping everything.
+own); only memory and time change. `benchmarks/recompute_modes.py` measures the three on a decoder of SmolLM2's
+shape (benchmarks/RESULTS.md, "Selective recomputation").
 `activation_memory_gb=None`: TRL's behaviour (recompute whenever `gradient_checkpointing` is on). The head (the
 log-probs of the completion tokens) is outside the layers' checkpointing in both trainers and is not counted.
 """
