@@ -26,14 +26,24 @@
    steps): the draft model's host read on the drafter thread ran inside the verifier's capture (the emulator refused
    it; a CUDA capture in torch's global mode forbids other threads' allocations and synchronising copies). Captures
    and the drafter's forward now exclude each other (`cuda_graphs.capture_lock`).
+10. A captured compiled step called Dynamo inside the capture (`fuzz-long`, `compile=True` with captured steps: the
+   emulator refused it): the engine's first step matched an entry an earlier engine had compiled, so no bytecode was
+   kept for the direct dispatch. The entry that served the call is now kept (`CompiledStep`).
+11. A step compiled by inductor on the CPU could not be captured and the engine crashed instead of running it
+   uncaptured (`fuzz-long`): inductor's C++ wrapper reads the step's size arguments on the host, and reported the
+   emulator's refusal as `RuntimeError: aoti_torch_item_int64(...) API call failed`. The emulator now raises such a
+   refusal again as itself (`cpu_graphs.GraphEmulator.capture`), as a CUDA capture's error stays one.
 """
 
 from __future__ import annotations
 
+import pytest
+import torch
 from _fuzz_engine import Call, Case, run_case
 from _models import requires_compile, tiny_model
 
 from trl_infinite.engine import SamplingParams
+from trl_infinite.engine.decode.compiled import fast_dispatch_supported
 
 BASE = {
     "sampling_mode": "full_group", "max_active_sequences": 1, "block_size": 1, "max_prefill_tokens": 1,
@@ -121,3 +131,25 @@ def test_a_capture_never_runs_beside_the_decoupled_drafter():
                               seed=68_534_899_029, raw_logprobs_temperature=1.0)
     for _ in range(3):  # the drafter thread and the first capture overlap by timing: a few tries
         run_case(Case("llama", config, 0, [Call([[20]], 3, sampling)], graphs=True))
+
+
+@requires_compile
+@pytest.mark.skipif(not fast_dispatch_supported(), reason="without the direct dispatch (torch outside "
+                    "decode.compiled.FAST_DISPATCH_TORCH) a capture records the guarded call: the emulator's limit")
+def test_a_captured_compiled_step_whose_entry_another_engine_compiled():
+    """Found with inductor (`fuzz-long`); the `eager` backend runs the same dispatch. A second engine's first step
+    matched the entry the first engine's step had compiled (the same code object), so it compiled nothing; its
+    graph capture then called the guarded function (Dynamo, inside the capture) instead of that entry's bytecode."""
+    config = {**BASE, "max_active_sequences": 2, "compile": True, "compile_backend": "eager"}
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+    torch._dynamo.reset()
+    for _ in range(2):
+        run_case(Case("llama", config, 0, [Call([[45, 82, 55], [64, 0, 41]], 2, sampling)], graphs=True))
+
+
+@requires_compile
+def test_an_uncapturable_inductor_step_runs_uncaptured():
+    config = {**BASE, "max_active_sequences": 4, "block_size": 4, "compile": True, "compile_backend": "inductor"}
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    torch._dynamo.reset()
+    run_case(Case("llama", config, 0, [Call([[5, 17, 33, 8, 60, 2, 9], [11, 4, 70]], 2, sampling)], graphs=True))

@@ -5,9 +5,11 @@
 - After the first call of a key, its calls skip Dynamo's guards: a change that the guards would catch but the key
   does not cover (a Python attribute the step branches on) goes unseen until `reset()`. This is the contract the
   engine keeps: what varies between its steps is in the key, and it calls `reset` when parameters move.
-- After `reset()`, the next call is checked in full and recompiles where a guard fails.
-- A second module whose first call reuses an entry compiled for the first (nothing new compiled, so no bytecode to
-  keep) runs correctly on the guarded path.
+- After `reset()`, the next call is checked in full and recompiles where a guard fails; where none fails, the entry
+  that served it is called directly afterwards (what a graph capture records: the fuzzer found a capture after a
+  `reset` calling Dynamo instead).
+- A second module whose first call reuses an entry compiled for the first (nothing new compiled) runs correctly, and
+  then directly through that entry, on its own parameters.
 - The private hooks are used only on the torch versions they were checked on; elsewhere (`fast=False`) every call is
   guarded, with the same outputs. More entries than Dynamo's default limit compile, and no Dynamo setting (nor
   anything else an engine sets) is left changed after the engine is gone.
@@ -64,15 +66,35 @@ def test_guards_are_skipped_after_the_first_call_until_reset():
     torch.testing.assert_close(step(("rows", 3), x), toy.step(x), rtol=0, atol=0)  # and called directly again
 
 
-def test_an_entry_compiled_for_another_module_runs_guarded():
+def test_an_entry_compiled_for_another_module_serves_the_second_directly():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    first, second = Toy(), Toy()
+    first, second = Toy(), Toy()  # other random weights
     x = torch.randn(3, 4)
     CompiledStep(first.step, "eager", None)(("rows", 3), x)
     step = CompiledStep(second.step, "eager", None)
     for _ in range(3):
         torch.testing.assert_close(step(("rows", 3), x), second.step(x), rtol=0, atol=0)
+    if step.fast:
+        torch.testing.assert_close(step.entry(("rows", 3))(x), second.step(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not fast_dispatch_supported(), reason="the guard-free dispatch runs only on torch [2.13, 2.14)")
+def test_after_a_reset_that_changes_nothing_the_entry_is_called_directly():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    toy = Toy()
+    step = CompiledStep(toy.step, "eager", None)
+    x, y = torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64)
+    toy64 = Toy().to(torch.float64)
+    step(("rows", 3), x)
+    CompiledStep(toy64.step, "eager", None)(("rows", 3), y)  # another entry, now the most recently used
+    step.reset()  # parameters moved (here: nothing did): the next call is checked in full, compiling nothing
+    assert step.entry(("rows", 3)) is None
+    torch.testing.assert_close(step(("rows", 3), x), toy.step(x), rtol=0, atol=0)
+    direct = step.entry(("rows", 3))
+    assert direct is not None
+    torch.testing.assert_close(direct(x), toy.step(x), rtol=0, atol=0)  # float32's entry, not float64's
 
 
 def test_private_hooks_only_on_checked_torch_versions():

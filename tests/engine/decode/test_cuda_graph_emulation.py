@@ -12,7 +12,7 @@ Every capture/replay rule runs here without a GPU:
 - a model whose step cannot be captured (MoE in fp32: ATen's grouped matmul reads its offsets on the host) is found
   by the support check's trial capture and runs uncaptured, with a warning;
 - the emulator itself refuses what a CUDA capture refuses (host syncs, data-dependent shapes, host uploads, opaque
-  kernels, replay on moved storage).
+  kernels, replay on moved storage), also where the code it runs reports the refusal as another error.
 """
 
 from __future__ import annotations
@@ -287,6 +287,25 @@ def test_emulator_refuses_outputs_of_unrecorded_kernels_and_moved_storage():
     with pytest.raises(CaptureError, match="moved_storage"):
         graph.replay()
     assert emu.counts["moved_storage"] == 1
+
+
+def test_a_refusal_reported_as_another_error_is_still_a_refusal():
+    """Inductor's C++ wrapper reports an error raised inside it as `RuntimeError: ... API call failed` (found by the
+    engine fuzzer: a compiled step's capture read its size arguments on the host); a CUDA capture's error stays one."""
+    x = torch.arange(4.0)
+
+    def wrapped():
+        try:
+            return x.sum().item()
+        except CaptureError as err:
+            raise RuntimeError("aoti_torch_item_int64(...) API call failed") from err
+
+    emu = GraphEmulator()
+    with torch.inference_mode(), pytest.raises(CaptureError) as err:
+        emu.capture(wrapped)
+    assert err.value.kind == "host_sync" and emu.counts["host_sync"] == 1 and not emu.counts["captures"]
+    with pytest.raises(ZeroDivisionError):  # not a refusal: raised as it is
+        emu.capture(lambda: 1 / 0)
 
 
 def _opaque(x: torch.Tensor) -> torch.Tensor:

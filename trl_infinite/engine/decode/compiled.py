@@ -7,22 +7,19 @@ its steps: the batch bucket and the sampling settings (the dispatch `key`), and 
 `reset` when they move). So per key:
 
 1. the first call goes through `torch.compile` with every guard evaluated, compiling the step if needed;
-2. the bytecode Dynamo produced for that call (seen through Dynamo's bytecode hook, as vLLM's compile wrapper does)
-   is kept as a plain function and called directly from then on: the same compiled graph and the same prologue,
-   no guard evaluation;
-3. where that call compiled nothing (an entry compiled earlier matched), later calls run with only the guards that
-   tell the compiled entries apart (`skip_guard_eval_unsafe`); a call those guards reject is retried with all of
-   them.
+2. the bytecode of the compiled entry that served that call (compiled by it, or earlier for another key or before a
+   `reset`) is kept as a plain function and called directly from then on: the same compiled graph and the same
+   prologue, no guard evaluation (as vLLM's compile wrapper calls the bytecode Dynamo produced).
 
-Steps 2 and 3 use two Dynamo hooks that are not public API (`convert_frame.register_bytecode_hook` and the
-`skip_guard_eval_unsafe` stance), so only on the torch versions they were checked on (`FAST_DISPATCH_TORCH`, the
-versions CI tests): on any other version every call is a plain guarded call of the compiled function (the same
-outputs, each step paying for the guards). The compiled function's entries (one per key) exceed Dynamo's default
+Step 2 reads Dynamo's cache entries, which are not public API, so only on the torch versions it was checked on
+(`FAST_DISPATCH_TORCH`, the versions CI tests): on any other version every call is a plain guarded call of the
+compiled function (the same outputs, each step paying for the guards). The compiled function's entries (one per key) exceed Dynamo's default
 limit of 8 per function: the limit is raised only around the calls that may compile (`guarded`), and left as it was.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -30,16 +27,17 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
-FAST_DISPATCH_TORCH = ((2, 13), (2, 14))  # torch versions [from, to) whose private Dynamo hooks steps 2-3 use
+FAST_DISPATCH_TORCH = ((2, 13), (2, 14))  # torch versions [from, to) whose Dynamo cache step 2 reads
+_FIRST_CALLS = threading.Lock()  # a key's first call and the read of the entry that served it, one engine at a time
 RECOMPILE_LIMIT = 256  # compiled entries per step function: one per (batch bucket, sampling settings, ...)
 # Dynamo's setting for it: `recompile_limit` since torch 2.7, `cache_size_limit` before
 RECOMPILE_LIMIT_SETTING = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def fast_dispatch_supported(version: str = torch.__version__) -> bool:
-    """Whether this torch is one whose private hooks the direct dispatch was checked on (see the module docstring)."""
+    """Whether this torch is one whose Dynamo cache the direct dispatch was checked on (see the module docstring)."""
     low, high = FAST_DISPATCH_TORCH
-    return low <= TorchVersion(version) < high and hasattr(torch._dynamo.convert_frame, "register_bytecode_hook")
+    return low <= TorchVersion(version) < high and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
 
 
 class StepCompileError(RuntimeError):
@@ -76,16 +74,14 @@ class CompiledStep:
         self._code = method.__func__.__code__
         self._globals = method.__func__.__globals__  # where Dynamo installs the compiled graph the bytecode calls
         self._direct: dict[tuple, Callable] = {}
-        self._checked: set[tuple] = set()
 
     def reset(self) -> None:
         """Something the keys do not cover changed (parameters gathered into new storage): check every guard again
         at the next call of each key."""
         self._direct.clear()
-        self._checked.clear()
 
     def entry(self, key: tuple) -> Callable | None:
-        """The bytecode Dynamo produced for `key`'s first call, as a plain function of (owner, *args), or None. Calling
+        """The bytecode of the entry that served `key`'s first call, as a plain function of (owner, *args), or None. Calling
         it runs the compiled graph without entering Dynamo at all (what a graph capture records)."""
         direct = self._direct.get(key)
         return None if direct is None else lambda *args: direct(self._owner, *args)
@@ -106,26 +102,16 @@ class CompiledStep:
         direct = self._direct.get(key)
         if direct is not None:
             return direct(self._owner, *args)
-        if key in self._checked:
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self.compiled(*args)
-            except RuntimeError:
-                # the distinguishing guards rejected the call (something the key does not cover changed): call
-                # again with every guard; an error of the step itself is raised again there
-                pass
-        self._checked.add(key)
-        produced: list[types.CodeType] = []
-
-        def keep(old: types.CodeType, new: types.CodeType) -> None:
-            if old is self._code:
-                produced.append(new)
-
-        hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
-        try:
+        with _FIRST_CALLS:  # (the code object, so its cache, is shared by every engine's step)
             out = self.guarded(*args)
-        finally:
-            hook.remove()
-        if produced:
-            self._direct[key] = types.FunctionType(produced[-1], self._globals, self._code.co_name)
+            code = _most_recent_entry(self._code)
+        if code is not None:
+            self._direct[key] = types.FunctionType(code, self._globals, self._code.co_name)
         return out
+
+
+def _most_recent_entry(code: types.CodeType) -> types.CodeType | None:
+    """The bytecode of the compiled entry of `code` that served its last call, or None where it has none: Dynamo's
+    cache lookup puts the entry it compiles, or the one it finds, at the front of the function's cache."""
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    return entries[0].code if entries else None

@@ -26,6 +26,8 @@
   `host_alloc`     pinned host memory allocated inside the capture;
   `untracked_output` a step output no recorded op produced (a kernel called outside the dispatcher, e.g.
                    inductor's C++ wrapper: replaying would skip it).
+  A refusal raised inside code that reports it as another error (inductor's C++ wrapper: "API call failed") is
+  raised again as the refusal, as a CUDA capture's error stays one.
 
 The emulator checks the rules, not the speed: a replay costs about what the eager step costs. Devices are not told
 apart (everything is on the CPU), so an explicit device copy inside the step is not refused.
@@ -118,10 +120,13 @@ class _Recorder(TorchDispatchMode):
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (outside tensor written, its value before)
         self._saved_keys: set[tuple] = set()
         self._host_scalars: dict[int, weakref.ref] = {}  # 0-dim tensors made from host data inside the capture
+        self.refusal: CaptureError | None = None  # the first, raised again should a caller turn it into another error
 
     def refuse(self, kind: str, message: str) -> CaptureError:
         self.emulator.counts[kind] += 1
-        return CaptureError(kind, message)
+        err = CaptureError(kind, message)
+        self.refusal = self.refusal or err
+        return err
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -218,8 +223,15 @@ class GraphEmulator:
         recorder = _Recorder(self)
         self._recording = recorder
         try:
-            with self._host_reads_refused(recorder), _triton_launches_recorded(recorder), recorder:
-                out = fn()
+            try:
+                with self._host_reads_refused(recorder), _triton_launches_recorded(recorder), recorder:
+                    out = fn()
+            except Exception as err:
+                # a refusal raised through code that reports it as another error (inductor's C++ wrapper: "API call
+                # failed"), as a CUDA capture's error stays one through any caller
+                if recorder.refusal is None or err is recorder.refusal:
+                    raise
+                raise recorder.refusal from err
             for t in _tensors(out):
                 if _storage(t) not in recorder.pool:
                     raise recorder.refuse("untracked_output", f"a step output of shape {tuple(t.shape)} was not "
