@@ -70,14 +70,17 @@ class Capture(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def record_logps(trainer, capture: Capture, seen: dict):
-    """Wraps the trainer's log-prob forward: per optimizer step, each loss-forward row's log-probs (and entropies)
-    at its completion tokens, keyed by (step, prompt tokens, completion tokens)."""
+def record_logps(trainer, capture: Capture, seen: dict, old: dict):
+    """Wraps the trainer's log-prob forward: per optimizer step, each row's log-probs (and entropies) at its
+    completion tokens, keyed by (step, prompt tokens, completion tokens): of the loss forwards into `seen`, of the
+    policy's forwards without gradients (TRL's `old_per_token_logps`, taken right after the rollout where an optimizer
+    step comes between the rollout and a row's loss forward) into `old`."""
     forward = trainer._get_per_token_logps_and_entropies
 
     def wrapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         logps, ent, *rest = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        if torch.is_grad_enabled():
+        into = seen if torch.is_grad_enabled() else old if model is trainer.model else None  # (not the reference's)
+        if into is not None:
             C = logits_to_keep
             for b in range(input_ids.shape[0]):
                 pmask, cmask = attention_mask[b, :-C].bool(), attention_mask[b, -C:].bool()
@@ -85,7 +88,7 @@ def record_logps(trainer, capture: Capture, seen: dict):
                     continue
                 key = (len(capture.grads), tuple(input_ids[b, :-C][pmask].tolist()),
                        tuple(input_ids[b, -C:][cmask].tolist()))
-                seen.setdefault(key, (logps[b][cmask].detach().clone(),
+                into.setdefault(key, (logps[b][cmask].detach().clone(),
                                       None if ent is None else ent[b][cmask].detach().clone()))
         return (logps, ent, *rest)
 
@@ -98,6 +101,7 @@ class Run:
     capture: Capture
     logps: dict
     warnings: list[str]
+    old_logps: dict
 
 
 def build_model(case: Case, tmp: Path) -> torch.nn.Module:
@@ -132,14 +136,15 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
                       train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
                       peft_config=peft_config, callbacks=[capture])
         logps: dict = {}
-        record_logps(trainer, capture, logps)
+        old_logps: dict = {}
+        record_logps(trainer, capture, logps, old_logps)
         if generate is not None:
             trainer._generate_single_turn = generate
         trainer.remove_callback(PrinterCallback)
         # accelerate's `free_memory` at the start of `train` runs `gc.collect()` (1-2 s with hypothesis' heap)
         with patch("accelerate.utils.memory.clear_device_cache"):
             trainer.train()
-    return Run(trainer, capture, logps, [str(w.message) for w in caught])
+    return Run(trainer, capture, logps, [str(w.message) for w in caught], old_logps)
 
 
 def run_case(case: Case, tmp: Path, tokenizer) -> None:
@@ -198,12 +203,14 @@ def check_contracts(case: Case, ours: Run) -> None:
 
 def check_sampling_logps(sampled: list, ours: Run, absolute_positions: bool = False) -> None:
     """The engine sampled from the weights it was given: each completion's sampling log-probs (TRL's convention,
-    `log_softmax(logits / T)` of the sampled token) equal the loss forward's log-probs of the row in the optimizer
-    step of its rollout (every row's first loss forward runs before the next optimizer step in the drawn configs). A
-    prefix cache or weight copy kept from earlier weights breaks it. Not with a random training forward (dropout on):
-    the loss forward then draws dropout masks, the rollout runs in eval mode (as `generate` does); nor for a
-    left-padded row of a model with `absolute_positions` (TRL's forward numbers it from column 0, the rollout from its
-    first token: `GRPOTrainer`'s behaviour, docs/trainer.md "Positions")."""
+    `log_softmax(logits / T)` of the sampled token) equal the policy's log-probs of the row in the optimizer step of
+    its rollout: its loss forward's, or, where the row's first loss forward comes after another optimizer step
+    (`gradient_accumulation_steps` not a multiple of `steps_per_generation` x `num_iterations`), TRL's
+    `old_per_token_logps` forward right after the rollout. A prefix cache or weight copy kept from earlier weights
+    breaks it. Not with a random training forward (dropout on): the loss forward then draws dropout masks, the
+    rollout runs in eval mode (as `generate` does); nor for a left-padded row of a model with `absolute_positions`
+    (TRL's forward numbers it from column 0, the rollout from its first token: `GRPOTrainer`'s behaviour,
+    docs/trainer.md "Positions")."""
     if ours.trainer.random_forward is not None:
         return
     checked = 0
@@ -212,7 +219,8 @@ def check_sampling_logps(sampled: list, ours: Run, absolute_positions: bool = Fa
             continue
         width = max(len(p) for p in prompt_ids)
         for prompt, ids, lp in zip(prompt_ids, completions, logps):
-            seen = ours.logps.get((step, tuple(prompt), tuple(ids)))
+            key = (step, tuple(prompt), tuple(ids))
+            seen = ours.logps.get(key) or ours.old_logps.get(key)
             # masked entirely (a truncated completion under `mask_truncated_completions`), or left-padded (above)
             if seen is None or (absolute_positions and len(prompt) < width):
                 continue

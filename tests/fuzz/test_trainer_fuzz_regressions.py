@@ -32,6 +32,10 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
    weights) against ours from the shared-prefix forward, whose log-probs differ from the reference model's padded
    forward by a float32 rounding: the KL term's gradient of that rounding (4.3e-7) exceeded the floor of the
    comparison (3e-4 x 1e-3), now 3e-4 x 1e-2 (`_close`).
+11. The harness (long profile): with two micro batches per rollout and every completion of the first truncated
+   under `mask_truncated_completions`, it found no row to check the sampling log-probs against: the second micro
+   batch's rows are first forwarded for the loss after an optimizer step. It now also records TRL's
+   `old_per_token_logps` forward (right after the rollout, without gradients) and checks those rows against it.
 """
 
 from __future__ import annotations
@@ -182,4 +186,17 @@ def test_a_vanishing_reference_gradient_is_compared_at_float32_rounding(tmp_path
                 ours={"shared_prefix_training": True, "backward_token_budget": None},
                 prompts=["0 19 12 0 0", "0", "0", "0 19 12 0 0"], completion_seed=7, rollout="fixed",
                 rewards=("token_sum",))
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_rows_first_trained_after_an_optimizer_step_are_checked_against_the_old_log_probs(tmp_path):
+    """11. (module docstring)"""
+    args = {**ARGS, "num_generations": 4, "per_device_train_batch_size": 2, "steps_per_generation": 2,
+            "num_iterations": 2, "max_completion_length": 3, "mask_truncated_completions": True,
+            "pad_to_multiple_of": "auto", "use_bias_correction_kl": False, "max_steps": 2}
+    case = Case(family="gptj", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": None, "activation_memory_gb": 1.0,
+                      "rollout_max_active_sequences": 1, "rollout_block_size": 1, "rollout_kv_cache_release": True,
+                      "rollout_reward_chunks": "groups"},
+                prompts=["0"], completion_seed=0, rollout="engine", rewards=("token_sum",))
     run_case(case, tmp_path, tiny_tokenizer())
