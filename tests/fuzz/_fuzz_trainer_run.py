@@ -183,7 +183,9 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         finally:
             InfiniteGRPOTrainer._generate_single_turn = original
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, replay)
-        check_sampling_logps(sampled, ours, FAMILIES[case.family].absolute_positions)
+        multiple = case.args.get("pad_to_multiple_of")
+        check_sampling_logps(sampled, ours, FAMILIES[case.family].absolute_positions,
+                             multiple if isinstance(multiple, int) else 1)
     check_contracts(case, ours)
     compare(ours, ref)
 
@@ -201,7 +203,7 @@ def check_contracts(case: Case, ours: Run) -> None:
         assert any("instead of the shared-prefix forward" in w for w in ours.warnings), ours.warnings
 
 
-def check_sampling_logps(sampled: list, ours: Run, absolute_positions: bool = False) -> None:
+def check_sampling_logps(sampled: list, ours: Run, absolute_positions: bool = False, pad_multiple: int = 1) -> None:
     """The engine sampled from the weights it was given: each completion's sampling log-probs (TRL's convention,
     `log_softmax(logits / T)` of the sampled token) equal the policy's log-probs of the row in the optimizer step of
     its rollout: its loss forward's, or, where the row's first loss forward comes after another optimizer step
@@ -210,26 +212,29 @@ def check_sampling_logps(sampled: list, ours: Run, absolute_positions: bool = Fa
     breaks it. Not with a random training forward (dropout on): the loss forward then draws dropout masks, the
     rollout runs in eval mode (as `generate` does); nor for a left-padded row of a model with `absolute_positions`
     (TRL's forward numbers it from column 0, the rollout from its first token: `GRPOTrainer`'s behaviour,
-    docs/trainer.md "Positions")."""
+    docs/trainer.md "Positions"); TRL pads the prompts to a multiple of an integer `pad_to_multiple_of`
+    (`pad_multiple`), the longest included."""
     if ours.trainer.random_forward is not None:
         return
-    checked = 0
+    checked = padded = 0
     for step, prompt_ids, (completions, logps) in sampled:
         if logps is None:  # TRL's own generation (a refused model)
             continue
-        width = max(len(p) for p in prompt_ids)
+        width = -(-max(len(p) for p in prompt_ids) // pad_multiple) * pad_multiple  # TRL's prompt columns
         for prompt, ids, lp in zip(prompt_ids, completions, logps):
             key = (step, tuple(prompt), tuple(ids))
             seen = ours.logps.get(key) or ours.old_logps.get(key)
-            # masked entirely (a truncated completion under `mask_truncated_completions`), or left-padded (above)
-            if seen is None or (absolute_positions and len(prompt) < width):
+            if seen is None:  # masked entirely (a truncated completion under `mask_truncated_completions`)
+                continue
+            if absolute_positions and len(prompt) < width:  # left-padded (above)
+                padded += 1
                 continue
             want = seen[0]
             got = torch.tensor(lp, dtype=want.dtype)
             _close(got, want, max(1.0, want.abs().max().item()),
                    f"sampling log-probs of the rollout at step {step}, row {tuple(prompt)} -> {tuple(ids)}")
             checked += 1
-    assert checked or not ours.logps or all(s[2][1] is None for s in sampled), "no sampled row was checked"
+    assert checked or padded or not ours.logps or all(s[2][1] is None for s in sampled), "no sampled row was checked"
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, scale: float, what: str) -> None:

@@ -36,6 +36,9 @@ gradient, the weights and every logged metric (`_fuzz_trainer_run.run_case`).
    under `mask_truncated_completions`, it found no row to check the sampling log-probs against: the second micro
    batch's rows are first forwarded for the loss after an optimizer step. It now also records TRL's
    `old_per_token_logps` forward (right after the rollout, without gradients) and checks those rows against it.
+12. The harness (long profile, once 11 checked more rows): like 8, on GPT-2 with one prompt of one token and
+   `pad_to_multiple_of=4`: TRL left-pads every prompt to 4 columns, so the row is left-padded in TRL's forward
+   though no prompt is longer; the check's prompt width now counts TRL's padding to the multiple.
 """
 
 from __future__ import annotations
@@ -198,5 +201,17 @@ def test_rows_first_trained_after_an_optimizer_step_are_checked_against_the_old_
                 ours={"shared_prefix_training": False, "backward_token_budget": None, "activation_memory_gb": 1.0,
                       "rollout_max_active_sequences": 1, "rollout_block_size": 1, "rollout_kv_cache_release": True,
                       "rollout_reward_chunks": "groups"},
+                prompts=["0"], completion_seed=0, rollout="engine", rewards=("token_sum",))
+    run_case(case, tmp_path, tiny_tokenizer())
+
+
+def test_engine_rollout_of_a_row_padded_to_a_multiple_with_learned_positions(tmp_path):
+    """12. (module docstring)"""
+    args = {**ARGS, "per_device_train_batch_size": 2, "max_completion_length": 1, "disable_dropout": True,
+            "pad_to_multiple_of": 4, "use_bias_correction_kl": False}
+    case = Case(family="gpt2", model_overrides={"num_hidden_layers": 1}, args=args,
+                ours={"shared_prefix_training": False, "backward_token_budget": None, "activation_memory_gb": 1.0,
+                      "rollout_max_active_sequences": 1, "rollout_block_size": 1, "rollout_kv_cache_release": False,
+                      "rollout_kv_cache_reuse_across_calls": False, "rollout_reward_chunks": "groups"},
                 prompts=["0"], completion_seed=0, rollout="engine", rewards=("token_sum",))
     run_case(case, tmp_path, tiny_tokenizer())
