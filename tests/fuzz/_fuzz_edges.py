@@ -33,7 +33,8 @@ def edge_generation_kwargs(draw, has_eos: bool, max_new: int) -> dict:
     out: dict = {}
     for kw in draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2)):
         out.update(kw)
-    if "forced_eos_token_id" in out and out.get("suppress_tokens"):  # generate refuses a forced, suppressed id
+    # `generate` refuses a forced id that is also suppressed (forced EOS; forced BOS since transformers 5.24)
+    if ("forced_eos_token_id" in out or "forced_bos_token_id" in out) and out.get("suppress_tokens"):
         out.pop("suppress_tokens")
     return out
 
