@@ -12,8 +12,8 @@
   capture; views and allocations are not re-run, as a CUDA graph has no node for them). Python is not re-run: host
   values read at capture are frozen, as in a graph. A replay first checks that every tensor the graph reads from
   outside still has the storage it had at capture (`moved_storage`: a CUDA graph would read freed memory);
-- a capture is refused with `CaptureError` (and counted in `counts`) for what a CUDA stream capture refuses or
-  gets silently wrong:
+- a capture is refused with `CaptureError` (counted in `counts`; raised as itself also where the code in between
+  reports it as another error, as inductor's C++ wrapper does) for what a CUDA stream capture refuses or gets wrong:
   `host_sync`      reading device data on the host: `.item()`, `bool()`, `int()`, `.tolist()`, `.numpy()`, ops
                    tagged `data_dependent_output`, and ops whose CUDA implementation reads its inputs on the host
                    (`aten._grouped_mm`: its offsets are copied to the host; in fp32 by ATen's fallback, and in
@@ -26,8 +26,6 @@
   `host_alloc`     pinned host memory allocated inside the capture;
   `untracked_output` a step output no recorded op produced (a kernel called outside the dispatcher, e.g.
                    inductor's C++ wrapper: replaying would skip it).
-  A refusal raised inside code that reports it as another error (inductor's C++ wrapper: "API call failed") is
-  raised again as the refusal, as a CUDA capture's error stays one.
 
 The emulator checks the rules, not the speed: a replay costs about what the eager step costs. Devices are not told
 apart (everything is on the CPU), so an explicit device copy inside the step is not refused.
@@ -68,17 +66,14 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class _Node:
-    """One recorded op (or kernel launch): `run()` re-executes it on the recorded tensors."""
+    """One recorded op (or kernel launch: no `outputs`): `run()` re-executes it on the recorded tensors."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "kernel")
+    __slots__ = ("func", "args", "kwargs", "outputs")
 
-    def __init__(self, func, args, kwargs, outputs, kernel: bool = False):
-        self.func, self.args, self.kwargs, self.outputs, self.kernel = func, args, kwargs, outputs, kernel
+    def __init__(self, func, args, kwargs, outputs):
+        self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
 
     def run(self) -> None:
-        if self.kernel:
-            self.func(*self.args, **self.kwargs)
-            return
         result = self.func(*self.args, **self.kwargs)
         for new, old in zip(_tensors(result), _tensors(self.outputs)):
             if new.data_ptr() != old.data_ptr() or new.stride() != old.stride():
@@ -186,10 +181,8 @@ class _Recorder(TorchDispatchMode):
                 continue
             value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
             for t in _tensors(value):
-                if _storage(t) in self.pool:
-                    continue
                 key = (_storage(t), t.storage_offset(), tuple(t.shape), t.stride())
-                if key not in self._saved_keys:
+                if key[0] not in self.pool and key not in self._saved_keys:
                     self._saved_keys.add(key)
                     self.saved.append((t, t.clone()))
 
@@ -198,7 +191,7 @@ class _Recorder(TorchDispatchMode):
         for t in _tensors((args, kwargs)):
             if _storage(t) not in self.pool:
                 self.external.setdefault(id(t), (t, t.data_ptr()))
-        self.nodes.append(_Node(run, args, kwargs, None, kernel=True))
+        self.nodes.append(_Node(run, args, kwargs, None))
 
     def restore(self) -> None:
         for t, before in reversed(self.saved):
@@ -223,19 +216,16 @@ class GraphEmulator:
         recorder = _Recorder(self)
         self._recording = recorder
         try:
-            try:
-                with self._host_reads_refused(recorder), _triton_launches_recorded(recorder), recorder:
-                    out = fn()
-            except Exception as err:
-                # a refusal raised through code that reports it as another error (inductor's C++ wrapper: "API call
-                # failed"), as a CUDA capture's error stays one through any caller
-                if recorder.refusal is None or err is recorder.refusal:
-                    raise
-                raise recorder.refusal from err
+            with self._host_reads_refused(recorder), _triton_launches_recorded(recorder), recorder:
+                out = fn()
             for t in _tensors(out):
                 if _storage(t) not in recorder.pool:
                     raise recorder.refuse("untracked_output", f"a step output of shape {tuple(t.shape)} was not "
                                           "produced by a recorded op (a kernel called outside the dispatcher)")
+        except Exception as err:  # a refusal that the code in between reported as another error (module docstring)
+            if recorder.refusal is None or isinstance(err, CaptureError):
+                raise
+            raise recorder.refusal from err
         finally:
             self._recording = None
             recorder.restore()
