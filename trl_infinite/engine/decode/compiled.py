@@ -13,8 +13,9 @@ its steps: the batch bucket and the sampling settings (the dispatch `key`), and 
 
 Step 2 reads Dynamo's cache entries, which are not public API, so only on the torch versions it was checked on
 (`FAST_DISPATCH_TORCH`, the versions CI tests): on any other version every call is a plain guarded call of the
-compiled function (the same outputs, each step paying for the guards). The compiled function's entries (one per key) exceed Dynamo's default
-limit of 8 per function: the limit is raised only around the calls that may compile (`guarded`), and left as it was.
+compiled function (the same outputs, each step paying for the guards). The compiled function's entries (one per
+key) exceed Dynamo's default limit of 8 per function: the limit is raised only around the calls that may compile
+(`guarded`), and left as it was.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class CompiledStep:
         self._direct.clear()
 
     def entry(self, key: tuple) -> Callable | None:
-        """The bytecode of the entry that served `key`'s first call, as a plain function of (owner, *args), or None. Calling
-        it runs the compiled graph without entering Dynamo at all (what a graph capture records)."""
+        """The bytecode of the entry that served `key`'s first call, as a plain function of (owner, *args), or None.
+        Calling it runs the compiled graph without entering Dynamo at all (what a graph capture records)."""
         direct = self._direct.get(key)
         return None if direct is None else lambda *args: direct(self._owner, *args)
 
