@@ -80,8 +80,12 @@ if [ $DRY = 0 ]; then
     SPEC_ARGS=(--kv-cache-tokens 40000)
     PYTEST_ARGS=(--durations=15)
     LIMITS=(200 180 90 220 260 130 160 190)
-    ONE_STEP_ARGS=(--active 32 128 --prompt-len 128 1024 --new-tokens 128 --eager-active 32 --kv-cache-gb 24)
+    ONE_STEP_ARGS=(--active 32 128 --prompt-len 128 1024 --new-tokens 128 --eager-active 32 --kv-cache-gb 40)
     GRPO_MODEL=qwen3-0.6b; GRPO_SIZE=16x1@512  # the whole step as the GPU issue states it (Qwen3-0.6B, G=16, 512)
+    # decode_step and rollout in float32 weights: the support contract refused these random models in bf16 weights
+    # on CUDA (H100, 2026-11-26: the engine's prefill 0.11-1.1 from the model's forward), so neither gave a table;
+    # the backends part measures that error per SDPA kernel
+    ONE_DTYPE=(--dtype float32)
     PREFLIGHT_ARGS=(); TEST_MODE=(); JOBS_GRAPHS=3; JOBS_KERNELS=6
 else
     MODEL=tiny; MAXNEW=16; PROMPT=8; G=4; SLOTS=4; MANY=2
@@ -94,7 +98,7 @@ else
     PYTEST_ARGS=(--collect-only)
     LIMITS=(300 300 300 300 300 300 300 300)
     ONE_STEP_ARGS=("${STEP_ARGS[@]}")
-    GRPO_MODEL=tiny; GRPO_SIZE=${G}x1@$MAXNEW
+    GRPO_MODEL=tiny; GRPO_SIZE=${G}x1@$MAXNEW; ONE_DTYPE=(--dtype float32)
     PREFLIGHT_ARGS=(--device cpu); TEST_MODE=(--collect-only); JOBS_GRAPHS=2; JOBS_KERNELS=2
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
 fi
@@ -232,11 +236,11 @@ partone() {
         --timeout $((LIMIT[graphs] - 15)) "${TEST_MODE[@]}" --json "$OUT/graphs.json" tests/engine/decode/test_cuda_graphs_gpu.py \
         tests/engine/decode/test_static_decode.py::test_cuda_graphs_on_and_off_are_token_identical
     bench decode_step "${LIMIT[decode_step]}" "$PY" benchmarks/decode_step.py --model "$MODEL" "${ONE_STEP_ARGS[@]}" \
-        --json "$OUT/decode_step.json"
+        "${ONE_DTYPE[@]}" --json "$OUT/decode_step.json"
     bench rollout "${LIMIT[rollout]}" "$PY" benchmarks/rollout_bench.py --model "$MODEL" --num-prompts 1 \
         --group-sizes "$G" --max-new-tokens "$MAXNEW" --prompt-len "$PROMPT" "${LENGTHS[@]}" --slots "$SLOTS" \
         --paths engine trl_generate --modes fixed_slot --schedulers fifo --kv-cache-gb "$KV_THROUGHPUT" \
-        --json "$OUT/rollout.json"
+        "${ONE_DTYPE[@]}" --json "$OUT/rollout.json"
     bench grpo_step "${LIMIT[grpo_step]}" "$PY" benchmarks/grpo_step.py --model "$GRPO_MODEL" --sizes "$GRPO_SIZE" \
         --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" --trainers infinite trl --steps 2 \
         --json "$OUT/grpo_step.json"
