@@ -40,10 +40,12 @@ thread) and counts attention as dense (causal masks not subtracted).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import TrainerCallback
 
 TRAIN_ROWS = 512  # GEMM rows of the training phases' rate (a slice of tokens)
@@ -217,29 +219,60 @@ def _heads_as_query(query, other):
     return (*query[:2], *other[2:])
 
 
-def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
+def _sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """[B, H, Q, D] queries, [B, Hkv, K, D] keys / values: every `_scaled_dot_product_*_attention` kernel."""
     from torch.utils.flop_counter import sdpa_flop_count
 
     return sdpa_flop_count(query, _heads_as_query(query, key), _heads_as_query(query, value))
 
 
-def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+def _sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
     return sdpa_backward_flop_count(grad_out, query, _heads_as_query(query, key), _heads_as_query(query, value))
 
 
+def _addmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """addmm / baddbmm, also with `out_dtype` (TRL's chunked log-probs): torch's formula takes a fourth positional
+    argument for its `out_shape` and raises (torch 2.11, CUDA)."""
+    from torch.utils.flop_counter import bmm_flop, mm_flop
+
+    return mm_flop(a_shape, b_shape) if len(a_shape) == 2 else bmm_flop(a_shape, b_shape)
+
+
 def flop_counter():
     """`FlopCounterMode` counting totals only (no module hooks: they break on inference-mode tensors), with the CPU
-    flash-attention kernels torch's registry lacks (counted as torch counts its other attention kernels: dense)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    flash-attention kernels torch's registry lacks (counted as torch counts its other attention kernels: dense), the
+    CUDA attention kernels with grouped-query K/V (torch's formula asserts equal heads) and addmm with `out_dtype`."""
     aten = torch.ops.aten
-    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward}
-    mode = FlopCounterMode(display=False, custom_mapping=mapping)
+    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
+               aten.addmm: _addmm, aten.baddbmm: _addmm}
+    for kernel in ("flash", "efficient", "cudnn"):
+        mapping[getattr(aten, f"_scaled_dot_product_{kernel}_attention")] = _sdpa
+        mapping[getattr(aten, f"_scaled_dot_product_{kernel}_attention_backward")] = _sdpa_backward
+    mode = _TolerantCounter(display=False, custom_mapping=mapping)
     mode.mod_tracker = _GlobalOnly()
     return mode
+
+
+class _TolerantCounter(FlopCounterMode):
+    """A formula that raises (one torch release's registry meeting an operator it does not expect) is recorded in
+    `errors` instead of failing the step it counts: the step's timings still come back, its count does not
+    (`FloorProbe` drops an incomplete count)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.errors: list[str] = []
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        try:
+            return super()._count_flops(func_packet, out, args, kwargs)
+        except Exception as err:  # noqa: BLE001 (any formula's failure: the count is incomplete, not the step)
+            message = f"{func_packet}: {type(err).__name__}: {err}"
+            if message not in self.errors:
+                self.errors.append(message)
+            return out
 
 
 class _GlobalOnly:
@@ -263,6 +296,7 @@ class FloorProbe(TrainerCallback):
     def __init__(self, trainer, clock, count: str):
         self.trainer, self.clock, self.count = trainer, clock, count
         self.steps: list[dict] = []
+        self.count_error: str | None = None
         self._mode = None
         self._last = 0
         self._original = trainer._generate_single_turn
@@ -316,6 +350,11 @@ class FloorProbe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self._mode is not None:
             self._on_boundary("other")
+            errors = self._mode.errors
+            if errors:  # an incomplete count is no count (the table shows "-"); the reason goes to the JSON
+                self.steps[-1]["counted"] = None
+                self.count_error = "; ".join(errors)
+                print(f"[flop_floor] FLOP count dropped: {self.count_error}", file=sys.stderr, flush=True)
             self._mode.__exit__(None, None, None)
             self._mode = None
             self.clock.listeners.remove(self._on_boundary)
@@ -344,4 +383,7 @@ def floor_summary(trainer, probe: FloorProbe, size, device: torch.device, bf16: 
     dtype = torch.bfloat16 if bf16 and device.type == "cuda" else next(model.parameters()).dtype
     shape = ModelShape.of(model, torch.finfo(dtype).bits // 8)
     rates = measure_rates(shape, size.G * size.prompts, device, dtype)
-    return {"shape": asdict(shape), "rates": asdict(rates), "steps": probe.steps}
+    summary = {"shape": asdict(shape), "rates": asdict(rates), "steps": probe.steps}
+    if probe.count_error is not None:
+        summary["count_error"] = probe.count_error
+    return summary

@@ -19,9 +19,11 @@
 # GPU_SUITE_SKIP="name ..." leaves parts out (e.g. those a previous call already measured).
 # No CPU-only test (Triton compile-for-sm_90, inductor on the CPU: tests/engine/attention/test_triton_compile.py) runs here.
 # Each part's estimated H100 seconds and its limit are in ONE_PARTS below and printed by --plan (measured on an H100,
-# 2026-11-26: preflight 27 s, backends > 70 s, graphs > 70 s, grpo_step 140 s, kernels 78 s; the machine's start
-# took ~30 s of device time on top). The estimates sum to 447 s and the limits to 510 s (plus ~20 s of setup), under
-# 540 s; a second call of the session sets GPU_SUITE_SKIP to the parts the first one measured. OUTDIR gets partone.log (everything printed, with the summary), tables.md (each part's markdown,
+# 2026-11-26: preflight 27 s, backends > 70 s, graphs > 70 s, grpo_step 140 s, kernels 78 s; 2026-11-27: preflight
+# 24 s, backends 45 s, graphs > 55 s (9 of 13 tests), decode_step in float32 > 60 s (2 of 10 rows; 10 rows about
+# 130 s), rollout 74 s, grpo_step 111 s; the machine's start took ~30 s of device time on top). The estimates sum to
+# 439 s and the limits to 505 s (plus ~20 s of setup), under PART_BUDGET, so the last part is cut when others run long;
+# a second call of the session sets GPU_SUITE_SKIP to the parts the first one measured. OUTDIR gets partone.log (everything printed, with the summary), tables.md (each part's markdown,
 # appended as soon as the part ends) and results.json (each part's JSON under its name): 3 files, plus the running
 # part's own NAME.json / NAME.md (its script rewrites them after every row, so a part cut short keeps its rows).
 #
@@ -80,12 +82,12 @@ if [ $DRY = 0 ]; then
     SPEC_ARGS=(--kv-cache-tokens 40000)
     PYTEST_ARGS=(--durations=15)
     LIMITS=(200 180 90 220 260 130 160 190)
-    ONE_STEP_ARGS=(--active 32 128 --prompt-len 128 1024 --new-tokens 128 --eager-active 32 --kv-cache-gb 40)
+    ONE_STEP_ARGS=(--active 32 128 --prompt-len 128 1024 --new-tokens 128 --eager-active 32 --kv-cache-gb 24)
     GRPO_MODEL=qwen3-0.6b; GRPO_SIZE=16x1@512  # the whole step as the GPU issue states it (Qwen3-0.6B, G=16, 512)
-    # decode_step and rollout in float32 weights: the support contract refused these random models in bf16 weights
-    # on CUDA (H100, 2026-11-26: the engine's prefill 0.11-1.1 from the model's forward), so neither gave a table;
-    # the backends part measures that error per SDPA kernel
-    ONE_DTYPE=(--dtype float32)
+    # decode_step and rollout in the default dtype (bf16 on CUDA): GPU run 2 (2026-11-27) measured them in float32
+    # weights, since the contract refused bf16 there (cuDNN misread the engine's float32 mask, fixed since); a bf16
+    # refusal fails fast. ONE_DTYPE=(--dtype float32) repeats run 2's tables.
+    ONE_DTYPE=()
     PREFLIGHT_ARGS=(); TEST_MODE=(); JOBS_GRAPHS=3; JOBS_KERNELS=6
 else
     MODEL=tiny; MAXNEW=16; PROMPT=8; G=4; SLOTS=4; MANY=2
@@ -106,8 +108,8 @@ if [ -f "$TRACE" ]; then LENGTHS=(--trace "$TRACE"); fi
 PART_BUDGET=${PART_BUDGET:-530}
 # --part one: NAME, estimated H100 seconds, limit in seconds, per part in run order. The estimates are guesses (not
 # measured) from the assumptions in benchmarks/README.md "GPU suite"; a limit stops a part that runs long.
-ONE_PARTS=(preflight 27 35  backends 55 60  graphs 60 70  decode_step 50 60  rollout 60 75  grpo_step 140 150
-           kernels 55 60)
+ONE_PARTS=(preflight 24 30  backends 45 55  graphs 75 80  decode_step 70 80  rollout 60 75  grpo_step 115 125
+           kernels 50 60)
 SKIP=" ${GPU_SUITE_SKIP:-} "  # names of --part one's parts not to run (e.g. GPU_SUITE_SKIP="kernels")
 declare -A EST=() LIMIT=()
 for ((i = 0; i < ${#ONE_PARTS[@]}; i += 3)); do
@@ -124,7 +126,7 @@ bench() {  # bench NAME LIMIT_S COMMAND...: run with a time limit (cut to the pa
     if [[ "$SKIP" == *" $name "* ]]; then echo "=== $name: skipped (GPU_SUITE_SKIP)"; return 0; fi
     if [ $PLAN = 1 ]; then
         local est=""
-        if [ "$CURRENT" = one ]; then est=", estimate ${EST[$name]} s on an H100 (not measured)"; fi
+        if [ "$CURRENT" = one ]; then est=", estimate ${EST[$name]} s on an H100 (from the two H100 runs)"; fi
         printf '# %s %s: limit %s s%s\n' "$CURRENT" "$name" "$limit" "$est"
         printf 'PLAN %s' "$CURRENT"; printf ' %q' "$@"; printf '\n'
         return 0
@@ -292,7 +294,7 @@ if [ "$PART" = one ]; then
         for ((i = 0; i < ${#ONE_PARTS[@]}; i += 3)); do
             total_est=$((total_est + ONE_PARTS[i + 1])); total_limit=$((total_limit + LIMIT[${ONE_PARTS[i]}]))
         done
-        echo "# one total: estimate $total_est s on an H100 (not measured), limits $total_limit s, part budget" \
+        echo "# one total: estimate $total_est s on an H100 (from the two H100 runs), limits $total_limit s, part budget" \
              "$PART_BUDGET s (setup included)"
         exit 0
     fi

@@ -50,6 +50,33 @@ def test_formula_agrees_with_torch_counter():
     assert 1.95 * forward < backward < 2.6 * forward  # input and weight gradients (attention's backward is 2.5x)
 
 
+def test_counter_counts_cuda_attention_with_grouped_kv_and_addmm_with_out_dtype():
+    """Two formulas the GPU run (H100, torch 2.11) found raising inside the counter, called as the counter calls
+    them: the CUDA attention kernels with fewer K/V heads than query heads (torch's formula asserts equal heads;
+    counted dense, as torch counts attention) and addmm with `out_dtype` (TRL's chunked log-probs; torch's formula
+    takes the dtype for its `out_shape`)."""
+    ff = importlib.import_module("flop_floor")
+    aten = torch.ops.aten
+    registry = ff.flop_counter().flop_registry
+    q, kv = torch.empty(2, 8, 5, 16, device="meta"), torch.empty(2, 2, 7, 16, device="meta")
+    dense = 2 * 2 * (2 * 8 * 5 * 7 * 16)  # scores and output, 2 FLOPs per multiply-add
+    for kernel in ("flash", "efficient", "cudnn"):
+        forward = registry[getattr(aten, f"_scaled_dot_product_{kernel}_attention")]
+        backward = registry[getattr(aten, f"_scaled_dot_product_{kernel}_attention_backward")]
+        assert forward(q, kv, kv, None, False, out_val=(q,)) == dense
+        assert backward(q, q, kv, kv, q, None, out_val=(q, kv, kv)) == 2.5 * dense
+    a, b, acc = torch.empty(4, 3, device="meta"), torch.empty(3, 5, device="meta"), torch.empty(4, 5, device="meta")
+    assert registry[aten.addmm](acc, a, b, torch.float32, out_val=acc) == 2 * 4 * 3 * 5
+    assert registry[aten.baddbmm](acc[None], a[None], b[None], out_val=acc[None]) == 2 * 4 * 3 * 5
+    # a formula that still raises leaves the counted step running and its count marked incomplete
+    counter = ff.flop_counter()
+    counter.flop_registry[aten.mm] = lambda *args, **kwargs: 1 / 0
+    x = torch.ones(2, 2)
+    with counter:
+        y = torch.mm(x, x)
+    assert torch.equal(y, 2 * x) and len(counter.errors) == 1 and "ZeroDivisionError" in counter.errors[0]
+
+
 def test_required_flops_formula():
     ff = importlib.import_module("flop_floor")
     shape = ff.ModelShape(layers=2, hidden=4, q_dim=4, kv_dim=2, body=((4, 4), (4, 2), (4, 2), (4, 4)),

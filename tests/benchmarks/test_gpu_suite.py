@@ -100,7 +100,7 @@ def test_one_call_plan(tmp_path, flags):
     assert names == ONE_ORDER and len(commands) == len(ONE_ORDER)
     est = [int(line.split("estimate ")[1].split()[0]) for line in heads]
     limits = [int(line.split("limit ")[1].split()[0]) for line in heads]
-    assert all("on an H100 (not measured)" in line for line in heads)
+    assert all("on an H100 (from the two H100 runs)" in line for line in heads)
     total = next(line for line in text.splitlines() if line.startswith("# one total:"))
     assert f"estimate {sum(est)} s" in total and sum(est) <= 540
     if "--dry-run" not in flags:

@@ -145,3 +145,36 @@ def test_cascade_decode_equals_whole_context(pattern, dtype):
     capped = LayerAttention(scale=SCALE, softcap=1.0, sliding_window=pattern[0], chunk_size=pattern[1])
     assert torch.equal(torch_paged_attention(query, k_cache, v_cache, split, capped),
                        torch_paged_attention(query, k_cache, v_cache, whole, capped))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_gets_its_mask_in_the_query_dtype(dtype, monkeypatch):
+    # cuDNN's SDPA (CUDA's first choice on Hopper) reads a float32 mask given with 16-bit queries as 16-bit data,
+    # silently (torch 2.11, pytorch/pytorch#191612): on an H100 the engine's bf16 prefill was 0.11 from the model
+    # (relative logit error) and the support contract refused every bf16 model. The backend hands SDPA its mask in
+    # the query's dtype, and the result is that of dense attention with a boolean mask.
+    from trl_infinite.engine.attention import torch_backend
+
+    exact = _batch()
+    seqs = [(s, k.to(dtype), v.to(dtype)) for s, k, v in exact]
+    segments = [s for s, _, _ in seqs]
+    _, _, meta = build_metadata(segments, B, torch.device("cpu"))
+    k_cache, v_cache = (c.to(dtype) for c in _pool_with_cached_context(exact, meta))
+    new_k = torch.cat([k[s.start_pos :] for s, k, _ in seqs])
+    new_v = torch.cat([v[s.start_pos :] for s, _, v in seqs])
+    query = torch.randn(new_k.shape[0], H, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        seen.append((q.dtype, attn_mask.dtype))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", spy)
+    ctx = PagedContext([k_cache], [v_cache], with_context(meta, ((None, None),)), torch_paged_attention,
+                       {0: LayerSpec(0)})
+    out, _ = attention_fn(SimpleNamespace(layer_idx=0), query.transpose(0, 1)[None], new_k.transpose(0, 1)[None],
+                          new_v.transpose(0, 1)[None], None, scaling=SCALE, paged_ctx=ctx)
+    assert seen == [(dtype, dtype)]
+    monkeypatch.undo()
+    torch.testing.assert_close(out[0].float(), _reference(query, seqs, None).float(), atol=2e-2, rtol=0)

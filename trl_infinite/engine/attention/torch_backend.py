@@ -57,8 +57,9 @@ def torch_paged_attention(
         q = q.transpose(1, 2)
     if layer.needs_scores:
         out = _explicit_attention(q, keys, values, bias, layer)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scale,
+    else:  # the mask in the query's dtype: cuDNN's SDPA (CUDA's first choice on Hopper) reads a float32 mask
+        # given with 16-bit queries as 16-bit data, silently (torch 2.11; pytorch/pytorch#191612); 0 / -inf are exact
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.to(q.dtype), scale=layer.scale,
                                              enable_gqa=keys.shape[1] != q.shape[1])  # [S, H, Q, Dv]
     if plan.query_index is None:
         return out.squeeze(2)
