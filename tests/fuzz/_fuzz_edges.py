@@ -99,7 +99,9 @@ def draft_variant(name: str, target) -> torch.nn.Module:
     target's config object its own)."""
     if name == "shared_config":
         torch.manual_seed(11)
-        return type(target)(target.config).eval()
+        # the class of the model the weights live in: a LoRA target (a `PeftModel`) is built from its config alone
+        base = target.get_base_model() if hasattr(target, "get_base_model") else target
+        return type(base)(target.config).eval()
     over = {"layers1": dict(num_hidden_layers=1), "layers3": dict(num_hidden_layers=3),
             "heads2": dict(num_attention_heads=2, num_key_value_heads=1),
             "heads8": dict(num_attention_heads=8, num_key_value_heads=8, hidden_size=64),
