@@ -106,8 +106,9 @@ else
 fi
 if [ -f "$TRACE" ]; then LENGTHS=(--trace "$TRACE"); fi
 PART_BUDGET=${PART_BUDGET:-530}
-# --part one: NAME, estimated H100 seconds, limit in seconds, per part in run order. The estimates are guesses (not
-# measured) from the assumptions in benchmarks/README.md "GPU suite"; a limit stops a part that runs long.
+# --part one: NAME, estimated H100 seconds, limit in seconds, per part in run order. The estimates are the two H100
+# runs' times (header above; a part cut by its limit estimated from the rows it kept); a limit stops a part that
+# runs long.
 ONE_PARTS=(preflight 24 30  backends 45 55  graphs 75 80  decode_step 70 80  rollout 60 75  grpo_step 115 125
            kernels 50 60)
 SKIP=" ${GPU_SUITE_SKIP:-} "  # names of --part one's parts not to run (e.g. GPU_SUITE_SKIP="kernels")
