@@ -14,15 +14,18 @@
 #   (d) decode_step the decode step against the roofline at 32 and 128 rows
 #   (e) rollout     the engine against TRL's generate, 1 prompt x G=32 (the engine row first)
 #   (f) grpo_step   the whole GRPO step, InfiniteGRPOTrainer first, then GRPOTrainer
-#   (g) kernels     the Triton kernels against the torch reference, autotuning off (TRL_INFINITE_TRITON_AUTOTUNE=0),
-#                   as parallel pytest processes
+#   (g) profile     where InfiniteGRPOTrainer's step spends its time, per phase and operator: kernels, GEMMs,
+#                   attention, host time and the GPU's idle time (benchmarks/step_profile.py, the grpo_step size)
+# The Triton kernels against the torch reference (the `kernels` table, measured on an H100 on 2026-11-26, cut by the
+# budget on 2026-11-27) are in part 1 below, no longer in part one: the profile took their place.
 # GPU_SUITE_SKIP="name ..." leaves parts out (e.g. those a previous call already measured).
 # No CPU-only test (Triton compile-for-sm_90, inductor on the CPU: tests/engine/attention/test_triton_compile.py) runs here.
 # Each part's estimated H100 seconds and its limit are in ONE_PARTS below and printed by --plan (measured on an H100,
 # 2026-11-26: preflight 27 s, backends > 70 s, graphs > 70 s, grpo_step 140 s, kernels 78 s; 2026-11-27: preflight
 # 24 s, backends 45 s, graphs > 55 s (9 of 13 tests), decode_step in float32 > 60 s (2 of 10 rows; 10 rows about
-# 130 s), rollout 74 s, grpo_step 111 s; the machine's start took ~30 s of device time on top). The estimates sum to
-# 439 s and the limits to 505 s (plus ~20 s of setup), under PART_BUDGET, so the last part is cut when others run long;
+# 130 s), rollout 74 s, grpo_step 111 s; the machine's start took ~30 s of device time on top; profile: not yet
+# measured, one trainer's two steps as in grpo_step). The estimates sum to
+# 434 s and the limits to 500 s (plus ~20 s of setup), under PART_BUDGET, so the last part is cut when others run long;
 # a second call of the session sets GPU_SUITE_SKIP to the parts the first one measured. OUTDIR gets partone.log (everything printed, with the summary), tables.md (each part's markdown,
 # appended as soon as the part ends) and results.json (each part's JSON under its name): 3 files, plus the running
 # part's own NAME.json / NAME.md (its script rewrites them after every row, so a part cut short keeps its rows).
@@ -88,7 +91,7 @@ if [ $DRY = 0 ]; then
     # weights, since the contract refused bf16 there (cuDNN misread the engine's float32 mask, fixed since); a bf16
     # refusal fails fast. ONE_DTYPE=(--dtype float32) repeats run 2's tables.
     ONE_DTYPE=()
-    PREFLIGHT_ARGS=(); TEST_MODE=(); JOBS_GRAPHS=3; JOBS_KERNELS=6
+    PREFLIGHT_ARGS=(); TEST_MODE=(); JOBS_GRAPHS=3
 else
     MODEL=tiny; MAXNEW=16; PROMPT=8; G=4; SLOTS=4; MANY=2
     LENGTHS=(--mean 8 --sigma 0.6)
@@ -101,7 +104,7 @@ else
     LIMITS=(300 300 300 300 300 300 300 300)
     ONE_STEP_ARGS=("${STEP_ARGS[@]}")
     GRPO_MODEL=tiny; GRPO_SIZE=${G}x1@$MAXNEW; ONE_DTYPE=(--dtype float32)
-    PREFLIGHT_ARGS=(--device cpu); TEST_MODE=(--collect-only); JOBS_GRAPHS=2; JOBS_KERNELS=2
+    PREFLIGHT_ARGS=(--device cpu); TEST_MODE=(--collect-only); JOBS_GRAPHS=2
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
 fi
 if [ -f "$TRACE" ]; then LENGTHS=(--trace "$TRACE"); fi
@@ -110,8 +113,8 @@ PART_BUDGET=${PART_BUDGET:-530}
 # runs' times (header above; a part cut by its limit estimated from the rows it kept); a limit stops a part that
 # runs long.
 ONE_PARTS=(preflight 24 30  backends 45 55  graphs 75 80  decode_step 70 80  rollout 60 75  grpo_step 115 125
-           kernels 50 60)
-SKIP=" ${GPU_SUITE_SKIP:-} "  # names of --part one's parts not to run (e.g. GPU_SUITE_SKIP="kernels")
+           profile 45 55)
+SKIP=" ${GPU_SUITE_SKIP:-} "  # names of --part one's parts not to run (e.g. GPU_SUITE_SKIP="preflight backends")
 declare -A EST=() LIMIT=()
 for ((i = 0; i < ${#ONE_PARTS[@]}; i += 3)); do
     EST[${ONE_PARTS[i]}]=${ONE_PARTS[i + 1]}; LIMIT[${ONE_PARTS[i]}]=${ONE_PARTS[i + 2]}
@@ -227,7 +230,7 @@ partone() {
     if [ $PLAN = 0 ] && [ $LAST_RC != 0 ] && [ $LAST_RC != 3 ]; then  # 3: only trl / datasets / pytest missing
         echo "=== preflight FAILED (exit $LAST_RC): this machine cannot run the suite, the call stops here (the" \
              "preflight's rows are above and in tables.md)" >&2
-        for name in backends graphs decode_step rollout grpo_step kernels; do
+        for name in backends graphs decode_step rollout grpo_step profile; do
             SUMMARY+=("$(printf '%-16s %-28s %4ss' "$name" "NOT RUN (preflight failed)" 0)")
             FAILED=$((FAILED + 1))
         done
@@ -247,9 +250,9 @@ partone() {
     bench grpo_step "${LIMIT[grpo_step]}" "$PY" benchmarks/grpo_step.py --model "$GRPO_MODEL" --sizes "$GRPO_SIZE" \
         --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" --trainers infinite trl --steps 2 \
         --json "$OUT/grpo_step.json"
-    bench kernels "${LIMIT[kernels]}" env TRL_INFINITE_TRITON_AUTOTUNE=0 "$PY" benchmarks/parallel_pytest.py \
-        --jobs "$JOBS_KERNELS" --timeout $((LIMIT[kernels] - 15)) "${TEST_MODE[@]}" --json "$OUT/kernels.json" \
-        tests/engine/attention/test_triton_attention.py
+    bench profile "${LIMIT[profile]}" "$PY" benchmarks/step_profile.py --model "$GRPO_MODEL" --sizes "$GRPO_SIZE" \
+        --prompt-len "$PROMPT" --lengths forced "${LENGTHS[@]}" --trainers infinite --steps 2 --top 8 \
+        --json "$OUT/profile.json"
 }
 
 part1() {

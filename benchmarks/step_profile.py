@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, pick_device, run_header, save_json, write_results  # noqa: E402
 from grpo_probes import PHASES  # noqa: E402
-from grpo_step import TRAINERS, forced_calls, parse_args, run_order  # noqa: E402
+from grpo_step import TRAINERS, forced_calls, run_order  # noqa: E402
+from grpo_step import parse_args as step_args  # noqa: E402
 from grpo_workers import run_subprocess  # noqa: E402
 
 PHASE_PREFIX = "phase::"
@@ -52,6 +53,7 @@ GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "a
                       "aten::_addmm_activation", "aten::matmul", "aten::linear", "aten::_scaled_mm",
                       "aten::_grouped_mm"})
 GEMM_KERNEL_MARKS = ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm80_", "sm90_", "sm100_", "mma")
+DEVICE_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # kineto's activity types of device work
 CLASS_COLUMNS = ("gemm_s", "attention_s", "other_ops_s", "host_s")
 GPU_COLUMNS = ("gpu_s", "gpu_gemm_s", "gpu_attention_s", "gpu_other_s", "gpu_idle_s")
 PHASE_TABLE = ["size", "trainer", "phase", "time_s", *CLASS_COLUMNS, *GPU_COLUMNS, "gemm_share"]
@@ -97,7 +99,8 @@ class Attribution:
     def add(self, events: list[Event]) -> None:
         """One profile's events. Phases are the events named `phase::NAME`; they nest (a phase inside another is
         charged to the inner one); an event outside every phase is charged to `outside`."""
-        ranges = sorted((e for e in events if e.name.startswith(PHASE_PREFIX)), key=lambda e: (e.start, -e.end))
+        ranges = sorted((e for e in events if e.name.startswith(PHASE_PREFIX) and not e.device),
+                        key=lambda e: (e.start, -e.end))
         starts = [r.start for r in ranges]
         phase_of = [r.name.removeprefix(PHASE_PREFIX) for r in ranges]
         sums = self.sums
@@ -120,7 +123,7 @@ class Attribution:
                 sums[phase_of[stack[-1]]]["time_s"] -= (r.end - r.start) / 1e6
             stack.append(i)
         for e in events:
-            if e.name.startswith(PHASE_PREFIX):
+            if e.name.startswith(PHASE_PREFIX) and not e.device:
                 continue
             i = innermost(e.start)
             phase = phase_of[i] if i is not None else "outside"
@@ -194,8 +197,9 @@ def reduce_events(prof) -> list[Event]:
     spans = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in raw]
     for i, e in enumerate(raw):
         if e.device_type() == torch.autograd.DeviceType.CPU:
-            cpu[e.start_thread_id()].append(i)
-        else:
+            if not e.is_async() and e.start_thread_id() == e.end_thread_id():  # async spans do not nest
+                cpu[e.start_thread_id()].append(i)
+        elif e.activity_type() in DEVICE_ACTIVITIES:  # not the device's copies of the ranges (gpu_user_annotation)
             out.append(Event(e.name(), *spans[i], 0.0, True))
     for indices in cpu.values():
         for i, own in zip(indices, self_times([spans[i] for i in indices])):
@@ -298,7 +302,8 @@ def run_worker(a, kind: str, size) -> dict:
             "uses_engine": getattr(trainer, "uses_engine", None), "device": str(device)}
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """`grpo_step.py`'s arguments plus `--top` and `--phases` (`rest`: the former, passed on to the workers)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--top", type=int, default=8, help="operators (and kernels) listed per phase")
@@ -307,8 +312,16 @@ def main(argv=None) -> None:
     mine, rest = extra.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         print(__doc__)
-    a = parse_args(rest)
-    a.top, a.phases = mine.top, mine.phases
+    if mine.top < 1:
+        raise SystemExit(f"--top must be >= 1, got {mine.top}")
+    a = step_args(rest)
+    a.top, a.phases, a.rest = mine.top, mine.phases, rest
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    argv, rest = list(sys.argv[1:] if argv is None else argv), a.rest
     if a.worker is not None:
         try:
             result = run_worker(a, a.worker, a.sizes[0])

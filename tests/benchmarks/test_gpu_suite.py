@@ -83,7 +83,7 @@ def test_every_command_parses(tmp_path, flags):
     assert grpo[grpo.index("--trainers") + 1] == "infinite"  # ours first: a time limit cuts the last trainer
 
 
-ONE_ORDER = ["preflight", "backends", "graphs", "decode_step", "rollout", "grpo_step", "kernels"]
+ONE_ORDER = ["preflight", "backends", "graphs", "decode_step", "rollout", "grpo_step", "profile"]
 CPU_ONLY_TESTS = {"tests/engine/attention/test_triton_compile.py"}  # sm_90 compile without a GPU; inductor on the CPU
 
 
@@ -114,15 +114,17 @@ def test_one_call_plan(tmp_path, flags):
     grpo = argvs["grpo_step"]
     trainers = grpo[grpo.index("--trainers") + 1:grpo.index("--trainers") + 3]
     assert trainers == ["infinite", "trl"]
-    assert argvs["kernels"][:2] == ["env", "TRL_INFINITE_TRITON_AUTOTUNE=0"]
+    profile = argvs["profile"]  # ours, at the grpo_step part's model and size
+    assert profile[profile.index("--trainers") + 1:profile.index("--trainers") + 2] == ["infinite"]
+    for flag in ("--model", "--sizes"):
+        assert profile[profile.index(flag) + 1] == grpo[grpo.index(flag) + 1]
     tests = set()
     for name, argv in argvs.items():
         args = _parse(argv, tmp_path)
         tests |= {t.split("::")[0] for t in getattr(args, "tests", [])}
-        if name in ("graphs", "kernels"):
-            assert args.collect_only == ("--dry-run" in flags) and args.no_skips == (name == "graphs")
-    assert tests == {"tests/engine/decode/test_cuda_graphs_gpu.py", "tests/engine/decode/test_static_decode.py",
-                     "tests/engine/attention/test_triton_attention.py"}
+        if name == "graphs":
+            assert args.collect_only == ("--dry-run" in flags) and args.no_skips
+    assert tests == {"tests/engine/decode/test_cuda_graphs_gpu.py", "tests/engine/decode/test_static_decode.py"}
     assert not tests & CPU_ONLY_TESTS
     for _, argv in commands:  # a whole CPU-only file must not slip in through a node id either
         assert not any(a.split("::")[0] in CPU_ONLY_TESTS for a in argv)
@@ -261,7 +263,7 @@ def test_one_call_folds_each_part_as_it_ends(tmp_path):
     heads = [line.split()[1] for line in tables.splitlines() if line.startswith("## ")]
     assert heads == ONE_ORDER and "## rollout (FAILED rc=5," in tables and "| decode_step |" in tables
     log = (out / "partone.log").read_text()
-    assert "rollout          FAILED rc=5" in log and "kernels          ok" in log
+    assert "rollout          FAILED rc=5" in log and "profile          ok" in log
     assert "gpu_suite part one: 1 of 7 tables FAILED" in log and "part one FAILED" in done.stderr
 
 
@@ -285,7 +287,7 @@ def test_one_call_goes_on_when_only_some_tables_miss_a_module(tmp_path):
     done = _suite(tmp_path, fake, "--part", "one")
     assert done.returncode == 1
     log = (tmp_path / "out" / "partone.log").read_text()
-    assert "preflight        FAILED rc=3" in log and "NOT RUN" not in log and "kernels          ok" in log
+    assert "preflight        FAILED rc=3" in log and "NOT RUN" not in log and "profile          ok" in log
     assert "1 of 7 tables FAILED" in log
 
 
