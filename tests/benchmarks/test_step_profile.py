@@ -93,3 +93,22 @@ def test_one_profiled_step_of_a_tiny_model(only):
     for name in want & {"rollout", "forward", "backward"}:
         assert phases[name]["gemm_s"] > 0, name
         assert 0 < len(result["tops"][name]) <= 3
+
+
+def test_the_script_profiles_each_trainer_in_its_own_process(tmp_path):
+    """The parent runs one worker per trainer (here ours, only two phases) and writes both tables."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, str(BENCH / "step_profile.py"), *ARGS, "--trainers", "infinite",
+                           "--phases", "forward", "backward", "--top", "2", "--json", str(out)],
+                          capture_output=True, text=True, cwd=BENCH, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["phase"] for r in data["rows"]] == ["forward", "backward"]
+    assert all(r["trainer"] == "InfiniteGRPOTrainer" and r["gemm_s"] > 0 for r in data["rows"])
+    assert {t["phase"] for t in data["top"]} == {"forward", "backward"} and len(data["top"]) == 4
+    assert "phases forward, backward only" in data["profiled"]
+    assert "## Top operators" in out.with_suffix(".md").read_text()
