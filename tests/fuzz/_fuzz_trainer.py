@@ -95,6 +95,7 @@ class Case:
     peft: bool = False
     model_seed: int = 0
     completions: list[list[int]] | None = None  # fixed rollouts: row i gets completions[i % len] (shrunk cases)
+    eval_prompts: list[str] | None = None  # an eval set, evaluated after every step (`eval_strategy="steps"`)
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
@@ -179,6 +180,13 @@ def cases(draw) -> Case:
         args["top_k"] = draw(st.sampled_from([0, 5]))
         args["top_p"] = draw(st.sampled_from([1.0, 0.8]))
         args["repetition_penalty"] = draw(st.sampled_from([1.0, 1.3]))
+        args["min_p"] = draw(st.sampled_from([None, None, 0.05]))
+        # transformers' other logits processors (run by the engine through `generate`'s own classes); the sampling
+        # log-probs handed to TRL stay its convention (the temperature only), checked in `_fuzz_trainer_run.py`
+        kwargs = draw(st.sampled_from([None, None, {"no_repeat_ngram_size": 2}, {"suppress_tokens": [5, 6, 7]},
+                                       {"min_new_tokens": 2}]))
+        if kwargs is not None:
+            args["generation_kwargs"] = kwargs
         # "Rollouts from stale weights": the pool and its prefix cache kept across rollouts and optimizer steps,
         # under an optimizer whose step bumps no version counter (`adamw_torch_fused`; a large epsilon keeps Adam's
         # update a smooth function of the gradient, so round-off does not flip signs); checked by comparing the
@@ -204,15 +212,31 @@ def cases(draw) -> Case:
             rewards += (draw(st.sampled_from(relative)),)
             args.pop("reward_weights", None)
 
+    peft = not refused and draw(st.sampled_from([False, False, False, True]))
+    if args["beta"] > 0 and not peft and draw(st.booleans()):
+        # the reference model synced to the policy (TRL's callback, every step): never the rollout's weights
+        args.update(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=draw(st.sampled_from([0.6, 1.0])))
+
     n_prompts = draw(st.integers(groups, groups + 3))
     prompts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12))) for _ in range(n_prompts)]
     if draw(st.booleans()):  # two dataset rows with the same prompt text: two TRL groups
         prompts.append(prompts[0])
+    eval_prompts = None
+    if draw(st.sampled_from([False, False, True])):
+        # evaluation after every step: TRL's eval rollout (groups of `num_generations_eval`, the model in eval mode,
+        # no optimizer step) and its `eval_*` metrics; the eval batch holds whole groups
+        # (`group_rows_length` is made for groups of `num_generations`: with another eval group size it would be
+        # relative to rows of two groups, a reward TRL's whole batch and our streamed chunks see apart)
+        g_eval = draw(st.sampled_from([None, G] if "group_rows_length" in rewards else [None, 1, 2, 3]))
+        args.update(eval_strategy="steps", eval_steps=1, num_generations_eval=g_eval,
+                    per_device_eval_batch_size=(g_eval or G) * draw(st.integers(1, 2)))
+        eval_prompts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=8)))
+                        for _ in range(draw(st.integers(1, 3)))]
     return Case(
         family=name, model_overrides=overrides, args=args, ours=ours, prompts=prompts,
         completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
-        peft=not refused and draw(st.sampled_from([False, False, False, True])),
-        model_seed=draw(st.integers(0, 3)),
+        peft=peft,
+        model_seed=draw(st.integers(0, 3)), eval_prompts=eval_prompts,
     )
 
 

@@ -8,7 +8,7 @@ and replay the recorded completions and sampling log-probs through `GRPOTrainer`
 Checked, for every optimizer step: the per-token log-probs (and entropies) of every completion in the loss's forward
 (rows matched by their prompt and completion tokens, whatever micro batch and padding they ran in), every
 parameter's accumulated gradient, the weights after the last step (SGD) and every logged metric (the loss
-included). Tolerance: float32 round-off of different reduction orders and paddings, `REL` of the largest entry of
+included; with a drawn eval set, evaluated after every step, its `eval_*` metrics and its rollouts too). Tolerance: float32 round-off of different reduction orders and paddings, `REL` of the largest entry of
 the step's gradients / of the weights (a real difference is of order 1e-2 and more on these models); metrics
 relative `REL_METRIC`. Engine rollouts: every sampled completion's sampling log-probs equal the loss forward's at
 the weights of its rollout (a prefix cache or weight copy kept across a weight change breaks it). A model refused by the engine's contract must fall back with a warning
@@ -79,7 +79,10 @@ def record_logps(trainer, capture: Capture, seen: dict, old: dict):
 
     def wrapped(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         logps, ent, *rest = forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        into = seen if torch.is_grad_enabled() else old if model is trainer.model else None  # (not the reference's)
+        # (not the reference's: the reference model, or the policy with its PEFT adapters off, TRL's reference under
+        # PEFT; an eval step's first forward of the policy without gradients is that reference forward)
+        policy = model is trainer.model and not _adapters_off(model)
+        into = seen if torch.is_grad_enabled() else old if policy else None
         if into is not None:
             C = logits_to_keep
             for b in range(input_ids.shape[0]):
@@ -93,6 +96,11 @@ def record_logps(trainer, capture: Capture, seen: dict, old: dict):
         return (logps, ent, *rest)
 
     trainer._get_per_token_logps_and_entropies = wrapped
+
+
+def _adapters_off(model) -> bool:
+    """PEFT's adapters are disabled (`disable_adapter()`, TRL's `use_adapter(model, None)`)."""
+    return any(getattr(m, "disable_adapters", False) is True for m in model.modules())
 
 
 @dataclass
@@ -129,11 +137,13 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
                                       init_lora_weights=False)
     capture = Capture()
+    eval_dataset = None if case.eval_prompts is None else Dataset.from_dict({"prompt": case.eval_prompts})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(case.model_seed)  # the adapters' initial weights
         trainer = cls(model=model, reward_funcs=reward_funcs(case), args=args,
                       train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
+                      eval_dataset=eval_dataset,
                       peft_config=peft_config, callbacks=[capture])
         logps: dict = {}
         old_logps: dict = {}
