@@ -235,12 +235,14 @@ def check_lengths(completions: list[list[int]], workload: Workload, path: str) -
 class Table:
     columns: list[str]
     rows: list[dict] = field(default_factory=list)
+    echo: bool = True  # print each row as it is added (a table printed whole at the end: False)
 
     def add(self, **row) -> None:
-        if not self.rows:
+        if self.echo and not self.rows:
             print(self.markdown().rstrip("\n"), flush=True)
         self.rows.append(row)
-        print(self.markdown_row(row), flush=True)
+        if self.echo:
+            print(self.markdown_row(row), flush=True)
 
     def markdown_row(self, row: dict) -> str:
         return "| " + " | ".join(_fmt(row.get(c)) for c in self.columns) + " |"

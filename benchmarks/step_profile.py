@@ -52,7 +52,9 @@ GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "a
                       "aten::addmv", "aten::addmv_", "aten::mv", "aten::dot", "aten::addbmm", "aten::addbmm_",
                       "aten::_addmm_activation", "aten::matmul", "aten::linear", "aten::_scaled_mm",
                       "aten::_grouped_mm"})
-GEMM_KERNEL_MARKS = ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm80_", "sm90_", "sm100_", "mma")
+# device kernels of matrix products: cuBLAS / cuBLASLt (`*gemm*`, `gemv*`, `*xmma*`, `nvjet_*`), CUTLASS. Not an
+# architecture prefix alone (`sm90_...`): cuDNN's and others' non-GEMM kernels carry one too
+GEMM_KERNEL_MARKS = ("gemm", "gemv", "xmma", "cutlass", "cublas", "nvjet", "tensorop")
 DEVICE_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # kineto's activity types of device work
 CLASS_COLUMNS = ("gemm_s", "attention_s", "other_ops_s", "host_s")
 GPU_COLUMNS = ("gpu_s", "gpu_gemm_s", "gpu_attention_s", "gpu_other_s", "gpu_idle_s")
@@ -191,7 +193,11 @@ def reduce_events(prof) -> list[Event]:
     """The profiler's raw events as `Event`s: CPU events with their self time (from the nesting of each thread's
     events), device kernels and copies with their device span. Kineto's events are read directly, not through the
     profiler's `FunctionEvent`s, which hold gigabytes for a step of a few hundred thousand operator calls."""
-    raw = prof.profiler.kineto_results.events()
+    results = getattr(prof.profiler, "kineto_results", None)  # (not a documented attribute: torch 2.11 and 2.13 have it)
+    if results is None:
+        raise RuntimeError(f"torch {torch.__version__}'s profiler has no `kineto_results`: step_profile.py reads the raw "
+                           "events from it (tested with torch 2.11 to 2.14)")
+    raw = results.events()
     cpu: dict[int, list[int]] = defaultdict(list)
     out: list[Event] = []
     spans = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in raw]
@@ -337,7 +343,7 @@ def main(argv=None) -> None:
     header["profiled"] = (f"step {a.steps} of {a.steps} (the ones before are warm-ups), "
                           + (f"phases {', '.join(a.phases)} only" if a.phases else "the whole step")
                           + ", torch.profiler, one process per trainer")
-    phase_table, top_table = Table(PHASE_TABLE), Table(TOP_TABLE)
+    phase_table, top_table = Table(PHASE_TABLE), Table(TOP_TABLE, echo=False)  # (the top operators: at the end)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
            "PYTHONUNBUFFERED": "1"}
     failed = False

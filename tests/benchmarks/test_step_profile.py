@@ -72,6 +72,9 @@ def test_op_classes():
     assert sp.op_class("nvjet_tst_128x64_64x6_1x1_v_bz_coopA_TNT", device=True) == "gemm"
     assert sp.op_class("flash_fwd_kernel<...>", device=True) == "attention"
     assert sp.op_class("vectorized_elementwise_kernel<4, ...>", device=True) == "other"
+    assert sp.op_class("cutlass3x_sm90_tensorop_s64x128x16gemm_bf16_bf16", device=True) == "gemm"
+    assert sp.op_class("gemv2T_kernel_val<int, int, float, float, 128, 16>", device=True) == "gemm"
+    assert sp.op_class("sm90_reduce_kernel<float>", device=True) == "other"  # an architecture prefix alone
 
 
 @pytest.mark.parametrize("only", [None, ("forward", "backward")])
