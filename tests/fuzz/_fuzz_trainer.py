@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch
 from hypothesis import strategies as st
 
 # Draws gated until the helper fixing the case merges (issue 40); the coordinator removes an entry to fuzz it.
@@ -211,6 +212,10 @@ def cases(draw) -> Case:
                 relative += ["batch_length_penalty", "batch_length_penalty"]
             rewards += (draw(st.sampled_from(relative)),)
             args.pop("reward_weights", None)
+    if draw(st.sampled_from([False, False, False, True])):  # a reward model (TRL scores the texts it decodes)
+        rewards += ("reward_model",)
+        if "reward_weights" in args:
+            args["reward_weights"] = [*args["reward_weights"], 0.7]
 
     peft = not refused and draw(st.sampled_from([False, False, False, True]))
     if args["beta"] > 0 and not peft and draw(st.booleans()):
@@ -293,7 +298,19 @@ REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": gro
            "group_relative_length": group_relative_length, "batch_length_penalty": batch_length_penalty}
 
 
+def reward_model() -> torch.nn.Module:
+    """A tiny sequence-classification reward model (one label), the same random weights at every call."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        return LlamaForSequenceClassification(config).eval()
+
+
 def reward_funcs(case: Case) -> list:
-    """The case's reward functions (`group_rows_length` made for its group size)."""
+    """The case's reward functions (`group_rows_length` made for its group size, a fresh `reward_model`)."""
     G = case.args["num_generations"]
-    return [group_rows_length(G) if r == "group_rows_length" else REWARDS[r] for r in case.rewards]
+    made = {"group_rows_length": lambda: group_rows_length(G), "reward_model": reward_model}
+    return [made[r]() if r in made else REWARDS[r] for r in case.rewards]

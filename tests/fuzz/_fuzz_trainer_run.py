@@ -137,13 +137,16 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
                                       init_lora_weights=False)
     capture = Capture()
+    # a reward model's tokenizer (TRL decodes the completions and tokenizes prompt + completion with it)
+    reward_tokenizers = ([tokenizer if r == "reward_model" else None for r in case.rewards]
+                         if "reward_model" in case.rewards else None)
     eval_dataset = None if case.eval_prompts is None else Dataset.from_dict({"prompt": case.eval_prompts})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(case.model_seed)  # the adapters' initial weights
         trainer = cls(model=model, reward_funcs=reward_funcs(case), args=args,
                       train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
-                      eval_dataset=eval_dataset,
+                      eval_dataset=eval_dataset, reward_processing_classes=reward_tokenizers,
                       peft_config=peft_config, callbacks=[capture])
         logps: dict = {}
         old_logps: dict = {}
