@@ -97,6 +97,7 @@ class Case:
     model_seed: int = 0
     completions: list[list[int]] | None = None  # fixed rollouts: row i gets completions[i % len] (shrunk cases)
     eval_prompts: list[str] | None = None  # an eval set, evaluated after every step (`eval_strategy="steps"`)
+    conversational: bool = False  # prompts as chat messages (TRL applies the chat template; rewards get messages)
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
@@ -212,10 +213,10 @@ def cases(draw) -> Case:
                 relative += ["batch_length_penalty", "batch_length_penalty"]
             rewards += (draw(st.sampled_from(relative)),)
             args.pop("reward_weights", None)
-    if draw(st.sampled_from([False, False, False, True])):  # a reward model (TRL scores the texts it decodes)
-        rewards += ("reward_model",)
-        if "reward_weights" in args:
-            args["reward_weights"] = [*args["reward_weights"], 0.7]
+    extra = draw(st.sampled_from([(), (), ("reward_model",), ("text_chars",)]))
+    rewards += extra  # a reward model (TRL scores the texts it decodes) or a function of the completions' text
+    if extra and "reward_weights" in args:
+        args["reward_weights"] = [*args["reward_weights"], 0.7]
 
     peft = not refused and draw(st.sampled_from([False, False, False, True]))
     if args["beta"] > 0 and not peft and draw(st.booleans()):
@@ -242,6 +243,7 @@ def cases(draw) -> Case:
         completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
         peft=peft,
         model_seed=draw(st.integers(0, 3)), eval_prompts=eval_prompts,
+        conversational=draw(st.sampled_from([False, False, False, True])),
     )
 
 
@@ -252,6 +254,12 @@ def token_sum(completion_ids, **kwargs):
 
 def length(completion_ids, **kwargs):
     return [len(ids) / 4.0 for ids in completion_ids]
+
+
+def text_chars(completions, **kwargs):
+    """A function of the decoded text (a string, or the assistant message of a conversational prompt)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 5) for t in texts]
 
 
 def group_length_penalty(completion_ids, **kwargs):
@@ -294,7 +302,8 @@ def group_rows_length(num_generations: int):
     return group_rows_length
 
 
-REWARDS = {"token_sum": token_sum, "length": length, "group_length_penalty": group_length_penalty,
+REWARDS = {"token_sum": token_sum, "length": length, "text_chars": text_chars,
+           "group_length_penalty": group_length_penalty,
            "group_relative_length": group_relative_length, "batch_length_penalty": batch_length_penalty}
 
 

@@ -124,6 +124,12 @@ def build_model(case: Case, tmp: Path) -> torch.nn.Module:
     return model.train()
 
 
+def prompt_dataset(prompts: list[str], conversational: bool) -> Dataset:
+    """TRL's standard format (text prompts) or its conversational one (one user message each)."""
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts] if conversational
+                              else prompts})
+
+
 def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     ours = cls is InfiniteGRPOTrainer
     kw = dict(output_dir=str(tmp / cls.__name__), use_cpu=True, bf16=False, report_to="none", optim="sgd",
@@ -140,12 +146,12 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     # a reward model's tokenizer (TRL decodes the completions and tokenizes prompt + completion with it)
     reward_tokenizers = ([tokenizer if r == "reward_model" else None for r in case.rewards]
                          if "reward_model" in case.rewards else None)
-    eval_dataset = None if case.eval_prompts is None else Dataset.from_dict({"prompt": case.eval_prompts})
+    eval_dataset = None if case.eval_prompts is None else prompt_dataset(case.eval_prompts, case.conversational)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(case.model_seed)  # the adapters' initial weights
         trainer = cls(model=model, reward_funcs=reward_funcs(case), args=args,
-                      train_dataset=Dataset.from_dict({"prompt": case.prompts}), processing_class=tokenizer,
+                      train_dataset=prompt_dataset(case.prompts, case.conversational), processing_class=tokenizer,
                       eval_dataset=eval_dataset, reward_processing_classes=reward_tokenizers,
                       peft_config=peft_config, callbacks=[capture])
         logps: dict = {}
