@@ -49,7 +49,7 @@ def test_direct_calls_match_eager_and_read_parameters_each_call():
     torch.testing.assert_close(step(("rows", 3), x), toy.step(x), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not fast_dispatch_supported(), reason="the guard-free dispatch runs only on torch [2.13, 2.14)")
+@pytest.mark.skipif(not fast_dispatch_supported(), reason="the guard-free dispatch runs only on the torch releases of FAST_DISPATCH_TORCH")
 def test_guards_are_skipped_after_the_first_call_until_reset():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def test_an_entry_compiled_for_another_module_serves_the_second_directly():
         torch.testing.assert_close(step.entry(("rows", 3))(x), second.step(x), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not fast_dispatch_supported(), reason="the guard-free dispatch runs only on torch [2.13, 2.14)")
+@pytest.mark.skipif(not fast_dispatch_supported(), reason="the guard-free dispatch runs only on the torch releases of FAST_DISPATCH_TORCH")
 def test_after_a_reset_that_changes_nothing_the_entry_is_called_directly():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -98,8 +98,9 @@ def test_after_a_reset_that_changes_nothing_the_entry_is_called_directly():
 
 
 def test_private_hooks_only_on_checked_torch_versions():
-    assert fast_dispatch_supported("2.13.0") and fast_dispatch_supported("2.13.1+cu128")
-    for version in ("2.4.0", "2.12.1", "2.14.0", "3.0.0"):
+    for version in ("2.11.0", "2.13.0", "2.13.1+cu128", "2.14.1+cu130"):
+        assert fast_dispatch_supported(version), version
+    for version in ("2.4.0", "2.10.0", "2.12.1", "2.15.0", "3.0.0", "3.13.0"):
         assert not fast_dispatch_supported(version)
     assert CompiledStep(Toy().step, "eager", None).fast == fast_dispatch_supported()
 

@@ -110,11 +110,12 @@ def test_graphs_of_triton_kernels_and_compiled_steps(kw):
     """The Triton cascade kernels (their launches are graph nodes), a compiled step (its compiled graph called
     without entering Dynamo) and both (the kernels' custom op inside the compiled graph) capture and replay
     token-identically."""
-    if kw.get("compile") and kw.get("attention_backend") == "triton" and not fast_dispatch_supported():
-        # without the direct dispatch the capture calls the guarded compiled function, which Dynamo traces again
-        # under the emulator's dispatch mode, into the interpreter's kernel launch: an emulator limit (a CUDA capture
-        # has no dispatch mode), covered without graphs by test_triton_compiled.py
-        pytest.skip(f"torch {torch.__version__}: the capture emulation of a compiled Triton step needs the direct "
+    if kw.get("compile") and not fast_dispatch_supported():
+        # without the direct dispatch the capture calls the guarded compiled function, which Dynamo skips (torch
+        # 2.14: "non-infra torch dispatch mode present") or traces again under the emulator's dispatch mode, into
+        # the interpreter's kernel launch: an emulator limit (a CUDA capture has no dispatch mode); the compiled step
+        # without graphs: test_compiled_step.py, test_triton_compiled.py
+        pytest.skip(f"torch {torch.__version__}: the capture emulation of a compiled step needs the direct "
                     "dispatch (decode.compiled.FAST_DISPATCH_TORCH)")
     torch._dynamo.reset()  # nothing compiled by an earlier test is traced again under the emulator
     model = tiny_model("qwen3")

@@ -11,9 +11,10 @@ its steps: the batch bucket and the sampling settings (the dispatch `key`), and 
    `reset`) is kept as a plain function and called directly from then on: the same compiled graph and the same
    prologue, no guard evaluation (as vLLM's compile wrapper calls the bytecode Dynamo produced).
 
-Step 2 reads Dynamo's cache entries, which are not public API, so only on the torch versions it was checked on
-(`FAST_DISPATCH_TORCH`, the versions CI tests): on any other version every call is a plain guarded call of the
-compiled function (the same outputs, each step paying for the guards). The compiled function's entries (one per
+Step 2 reads Dynamo's cache entries, which are not public API, so only on the torch releases it was checked on
+(`FAST_DISPATCH_TORCH`: 2.13, CI's; 2.11, the GPU image's, and 2.14, by hand, the compiled-step and graph-capture
+tests): on any other release every call is a plain guarded call of the compiled function (the same outputs, each
+step paying for the guards). The compiled function's entries (one per
 key) exceed Dynamo's default limit of 8 per function: the limit is raised only around the calls that may compile
 (`guarded`), and left as it was.
 """
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
-FAST_DISPATCH_TORCH = ((2, 13), (2, 14))  # torch versions [from, to) whose Dynamo cache step 2 reads
+FAST_DISPATCH_TORCH = frozenset({(2, 11), (2, 13), (2, 14)})  # torch (major, minor) whose Dynamo cache step 2 reads
 _FIRST_CALLS = threading.Lock()  # a key's first call and the read of the entry that served it, one engine at a time
 RECOMPILE_LIMIT = 256  # compiled entries per step function: one per (batch bucket, sampling settings, ...)
 # Dynamo's setting for it: `recompile_limit` since torch 2.7, `cache_size_limit` before
@@ -37,8 +38,9 @@ RECOMPILE_LIMIT_SETTING = "recompile_limit" if hasattr(torch._dynamo.config, "re
 
 def fast_dispatch_supported(version: str = torch.__version__) -> bool:
     """Whether this torch is one whose Dynamo cache the direct dispatch was checked on (see the module docstring)."""
-    low, high = FAST_DISPATCH_TORCH
-    return low <= TorchVersion(version) < high and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    release = TorchVersion(version).split("+")[0].split(".")
+    major_minor = (int(release[0]), int(release[1]))
+    return major_minor in FAST_DISPATCH_TORCH and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
 
 
 class StepCompileError(RuntimeError):
