@@ -202,11 +202,11 @@ def _extension():
     """The compiled extension, or None (with one warning) where it cannot be built or the platform has no mmap."""
     if not sys.platform.startswith("linux"):
         return None
-    from torch.utils.cpp_extension import load_inline
+    from trl_infinite.engine.attention.extensions import load_extension
 
-    logger.info("Loading the host tensor cache (built once per machine, about half a minute).")
+    logger.info("Loading the host tensor cache (built once per machine and torch release, about half a minute).")
     try:
-        return load_inline("trl_infinite_host_cache", cpp_sources=[SOURCE],
+        return load_extension("trl_infinite_host_cache", cpp_sources=[SOURCE],
                            extra_cflags=["-O2", f"-DMIN_BYTES={MIN_BYTES}"])
     except Exception as err:  # compiler, headers or ninja missing, ...
         logger.warning("The host tensor cache could not be built (%s); CPU tensors keep the default allocator.", err)
