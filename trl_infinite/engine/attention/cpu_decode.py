@@ -18,8 +18,9 @@ It is built with `torch.utils.cpp_extension.load_inline` when a CPU engine start
 checks and has a layer the kernel serves (`serves`: float32 pool, no soft-capping or sinks, head dimensions that are
 multiples of the vector width, known from the CPU's capability before building); the build takes about half a
 minute once per machine and torch release and is cached on disk (`TORCH_EXTENSIONS_DIR`; `extensions.py`).
-`EngineConfig.cpu_decode_kernel` (on by default) turns it off. It is registered as `torch.ops.trl_infinite.paged_decode_attention`: eager forwards call it
-through the dispatcher, the compiled step through inductor's C++ wrapper. `with_kernel` puts it in front of the torch
+`EngineConfig.cpu_decode_kernel` (on by default) turns it off. It is registered as
+`torch.ops.trl_infinite.paged_decode_attention`: eager forwards call it through the dispatcher, the compiled step
+through inductor's C++ wrapper. `with_kernel` puts it in front of the torch
 backend; every call it does not cover keeps the torch reference path. A failed build is logged once and changes
 nothing but speed.
 
@@ -224,10 +225,11 @@ def build() -> bool:
     try:
         torch.ops.trl_infinite.paged_decode_attention  # noqa: B018  (registered by another copy of this module)
     except (AttributeError, RuntimeError):
-        logger.info("Loading the CPU decode-attention kernel (built once per machine, about half a minute).")
+        logger.info("Loading the CPU decode-attention kernel (built once per machine and torch release, about half "
+                    "a minute).")
         try:
             load_extension(f"trl_infinite_cpu_decode_{isa.lower()}", cpp_sources=[SOURCE], is_python_module=False,
-                        extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])])
+                           extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])])
         except Exception as err:  # compiler, headers or ninja missing, ...
             logger.warning("The CPU decode-attention kernel could not be built (%s); CPU decode steps use "
                            "the torch attention path instead.", err)

@@ -14,9 +14,8 @@ its steps: the batch bucket and the sampling settings (the dispatch `key`), and 
 Step 2 reads Dynamo's cache entries, which are not public API, so only on the torch releases it was checked on
 (`FAST_DISPATCH_TORCH`: 2.13, CI's; 2.11, the GPU image's, and 2.14, by hand, the compiled-step and graph-capture
 tests): on any other release every call is a plain guarded call of the compiled function (the same outputs, each
-step paying for the guards). The compiled function's entries (one per
-key) exceed Dynamo's default limit of 8 per function: the limit is raised only around the calls that may compile
-(`guarded`), and left as it was.
+step paying for the guards). The compiled function's entries (one per key) exceed Dynamo's default limit of 8 per
+function: the limit is raised only around the calls that may compile (`guarded`), and left as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.torch_version import TorchVersion
 
 FAST_DISPATCH_TORCH = frozenset({(2, 11), (2, 13), (2, 14)})  # torch (major, minor) whose Dynamo cache step 2 reads
 _FIRST_CALLS = threading.Lock()  # a key's first call and the read of the entry that served it, one engine at a time
@@ -38,9 +36,8 @@ RECOMPILE_LIMIT_SETTING = "recompile_limit" if hasattr(torch._dynamo.config, "re
 
 def fast_dispatch_supported(version: str = torch.__version__) -> bool:
     """Whether this torch is one whose Dynamo cache the direct dispatch was checked on (see the module docstring)."""
-    release = TorchVersion(version).split("+")[0].split(".")
-    major_minor = (int(release[0]), int(release[1]))
-    return major_minor in FAST_DISPATCH_TORCH and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    major, minor = version.split("+")[0].split(".")[:2]
+    return (int(major), int(minor)) in FAST_DISPATCH_TORCH and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
 
 
 class StepCompileError(RuntimeError):

@@ -207,7 +207,7 @@ def _extension():
     logger.info("Loading the host tensor cache (built once per machine and torch release, about half a minute).")
     try:
         return load_extension("trl_infinite_host_cache", cpp_sources=[SOURCE],
-                           extra_cflags=["-O2", f"-DMIN_BYTES={MIN_BYTES}"])
+                              extra_cflags=["-O2", f"-DMIN_BYTES={MIN_BYTES}"])
     except Exception as err:  # compiler, headers or ninja missing, ...
         logger.warning("The host tensor cache could not be built (%s); CPU tensors keep the default allocator.", err)
         return None
