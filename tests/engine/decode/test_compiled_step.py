@@ -98,9 +98,9 @@ def test_after_a_reset_that_changes_nothing_the_entry_is_called_directly():
 
 
 def test_private_hooks_only_on_checked_torch_versions():
-    for version in ("2.11.0", "2.13.0", "2.13.1+cu128", "2.14.1+cu130"):
+    for version in ("2.11.0", "2.13.0", "2.13.1+cu128", "2.14.1+cu130", "2.15.0+cu132"):
         assert fast_dispatch_supported(version), version
-    for version in ("2.4.0", "2.10.0", "2.12.1", "2.15.0", "3.0.0", "3.13.0"):
+    for version in ("2.4.0", "2.10.0", "2.12.1", "2.16.0", "3.0.0", "3.13.0"):
         assert not fast_dispatch_supported(version)
     assert CompiledStep(Toy().step, "eager", None).fast == fast_dispatch_supported()
 

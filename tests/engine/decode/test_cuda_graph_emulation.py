@@ -266,8 +266,12 @@ def test_emulator_replays_recorded_ops_on_the_same_buffers():
     ("dynamic_shape", lambda x: x[x > 1]),
     ("dynamic_shape", lambda x: torch.repeat_interleave(x.long())),
     ("host_upload", lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0])),
-    ("host_upload", lambda x: x.__setitem__(x.long(), 0.0)),  # CUDA's index_put_ copies the host scalar
-], ids=["item", "tolist", "bool", "nonzero", "mask_index", "repeat_interleave", "torch_tensor", "index_put_scalar"])
+    # CUDA's index_put_ copies the host scalar. Two index tensors: torch 2.15 lowers `x[index] = scalar` with one to
+    # `index_fill_` (capture-safe, not refused), earlier releases to `index_put_`
+    ("host_upload", lambda x: x.view(2, 2).__setitem__((x[:2].long(), x[:2].long()), 0.0)),
+    ("host_upload", lambda x: x.index_put_((x.long(),), torch.tensor(0.0))),
+], ids=["item", "tolist", "bool", "nonzero", "mask_index", "repeat_interleave", "torch_tensor", "index_put_scalar",
+        "index_put_op"])
 def test_emulator_refuses_what_a_capture_refuses(kind, fn):
     x = torch.arange(4.0)
     emu = GraphEmulator()

@@ -12,7 +12,7 @@ its steps: the batch bucket and the sampling settings (the dispatch `key`), and 
    prologue, no guard evaluation (as vLLM's compile wrapper calls the bytecode Dynamo produced).
 
 Step 2 reads Dynamo's cache entries, which are not public API, so only on the torch releases it was checked on
-(`FAST_DISPATCH_TORCH`: 2.13, CI's; 2.11, the GPU image's, and 2.14, by hand, the compiled-step and graph-capture
+(`FAST_DISPATCH_TORCH`: 2.13, CI's; 2.11, the GPU image's; 2.14 and 2.15, by hand, the compiled-step and graph-capture
 tests): on any other release every call is a plain guarded call of the compiled function (the same outputs, each
 step paying for the guards). The compiled function's entries (one per key) exceed Dynamo's default limit of 8 per
 function: the limit is raised only around the calls that may compile (`guarded`), and left as it was.
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-FAST_DISPATCH_TORCH = frozenset({(2, 11), (2, 13), (2, 14)})  # torch (major, minor) whose Dynamo cache step 2 reads
+# torch (major, minor) whose Dynamo cache step 2 reads
+FAST_DISPATCH_TORCH = frozenset({(2, 11), (2, 13), (2, 14), (2, 15)})
 _FIRST_CALLS = threading.Lock()  # a key's first call and the read of the entry that served it, one engine at a time
 RECOMPILE_LIMIT = 256  # compiled entries per step function: one per (batch bucket, sampling settings, ...)
 # Dynamo's setting for it: `recompile_limit` since torch 2.7, `cache_size_limit` before
