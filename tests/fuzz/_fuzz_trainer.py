@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from _fuzz_tools import MAX_COMPLETION, MAX_POSITIONS, TOOL_FAMILIES
 from hypothesis import strategies as st
 
 # Draws gated until the helper fixing the case merges (issue 40); the coordinator removes an entry to fuzz it.
@@ -98,6 +99,7 @@ class Case:
     completions: list[list[int]] | None = None  # fixed rollouts: row i gets completions[i % len] (shrunk cases)
     eval_prompts: list[str] | None = None  # an eval set, evaluated after every step (`eval_strategy="steps"`)
     conversational: bool = False  # prompts as chat messages (TRL applies the chat template; rewards get messages)
+    tools: bool = False  # TRL's tool loop (`_fuzz_tools.py`): conversational, fixed rollouts
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
@@ -168,6 +170,11 @@ def cases(draw) -> Case:
 
     refused = family.refused is not None
     rollout = "engine" if refused else draw(st.sampled_from(["fixed", "fixed", "engine"]))
+    tools = rollout == "fixed" and name in TOOL_FAMILIES and draw(st.sampled_from([False] * 4 + [True]))
+    if tools:  # long enough for a call (some: its result rolled back as overlong)
+        args["max_completion_length"] = draw(st.sampled_from(MAX_COMPLETION))
+        args["max_tool_calling_iterations"] = draw(st.sampled_from([None, 1, 2]))
+        overrides["max_position_embeddings"] = MAX_POSITIONS
     ours = dict(
         shared_prefix_training=draw(st.booleans()),
         backward_token_budget=draw(st.sampled_from([None, 4096, 8, 20, 40])),
@@ -243,7 +250,7 @@ def cases(draw) -> Case:
         completion_seed=draw(st.integers(0, 2**16)), rollout=rollout, rewards=rewards,
         peft=peft,
         model_seed=draw(st.integers(0, 3)), eval_prompts=eval_prompts,
-        conversational=draw(st.sampled_from([False, False, False, True])),
+        conversational=tools or draw(st.sampled_from([False, False, False, True])), tools=tools,
     )
 
 

@@ -2,8 +2,9 @@
 trained from the same initial weights and seed on the same completions, and compared.
 
 Completions: `fixed` rollouts patch `_generate_single_turn` on both trainers with one deterministic function of the
-prompt and the row; `engine` rollouts let `InfiniteGRPOTrainer` sample with its engine (streamed rewards included)
-and replay the recorded completions and sampling log-probs through `GRPOTrainer`.
+prompt and the row (a tool case's: `_fuzz_tools.py`, with TRL's tool loop); `engine` rollouts let
+`InfiniteGRPOTrainer` sample with its engine (streamed rewards included) and replay the recorded completions and
+sampling log-probs through `GRPOTrainer`.
 
 Checked, for every optimizer step: the per-token log-probs (and entropies) of every completion in the loss's forward
 (rows matched by their prompt and completion tokens, whatever micro batch and padding they ran in), every
@@ -27,6 +28,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import torch
+from _fuzz_tools import TOOLS, tool_completions, tool_tokenizer
 from _fuzz_trainer import EOS, FAMILIES, Case, reward_funcs
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
@@ -116,7 +118,8 @@ def build_model(case: Case, tmp: Path) -> torch.nn.Module:
     family = FAMILIES[case.family]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_tiny_model(family.model_type, seed=case.model_seed, **case.model_overrides)
+        vocab = {"vocab_size": len(tool_tokenizer())} if case.tools else {}
+        model = build_tiny_model(family.model_type, seed=case.model_seed, **case.model_overrides, **vocab)
     if case.args["beta"] > 0 and not case.peft:  # TRL builds the reference model from the policy's path
         path = tmp / "init"
         model.save_pretrained(path)
@@ -143,7 +146,8 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
                                       init_lora_weights=False)
     capture = Capture()
-    # a reward model's tokenizer (TRL decodes the completions and tokenizes prompt + completion with it)
+    # a reward model's tokenizer (TRL decodes the completions and tokenizes prompt + completion with it; the tiny
+    # one in a tool case too: the reward model's vocabulary)
     reward_tokenizers = ([tokenizer if r == "reward_model" else None for r in case.rewards]
                          if "reward_model" in case.rewards else None)
     eval_dataset = None if case.eval_prompts is None else prompt_dataset(case.eval_prompts, case.conversational)
@@ -151,9 +155,10 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
         warnings.simplefilter("always")
         torch.manual_seed(case.model_seed)  # the adapters' initial weights
         trainer = cls(model=model, reward_funcs=reward_funcs(case), args=args,
-                      train_dataset=prompt_dataset(case.prompts, case.conversational), processing_class=tokenizer,
+                      train_dataset=prompt_dataset(case.prompts, case.conversational),
+                      processing_class=tool_tokenizer() if case.tools else tokenizer,
                       eval_dataset=eval_dataset, reward_processing_classes=reward_tokenizers,
-                      peft_config=peft_config, callbacks=[capture])
+                      peft_config=peft_config, callbacks=[capture], tools=TOOLS if case.tools else None)
         logps: dict = {}
         old_logps: dict = {}
         record_logps(trainer, capture, logps, old_logps)
@@ -170,7 +175,9 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
     model = build_model(case, tmp)
     initial = copy.deepcopy(model)
     if case.rollout == "fixed":
-        generate = fixed_completions(case.completion_seed, case.args["max_completion_length"], case.completions)
+        max_len = case.args["max_completion_length"]
+        generate = (tool_completions(case.completion_seed, max_len) if case.tools
+                    else fixed_completions(case.completion_seed, max_len, case.completions))
         ours = run_trainer(case, InfiniteGRPOTrainer, model, tmp, tokenizer, generate)
         ref = run_trainer(case, GRPOTrainer, initial, tmp, tokenizer, generate)
     else:

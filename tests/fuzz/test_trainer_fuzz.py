@@ -4,9 +4,9 @@ same completions from the same weights and seed (log-probs, every gradient, the 
 model a contract refuses must fall back with a warning. Draws: `_fuzz_trainer.py` (those in `PENDING` are off until
 the fix of their issue-40 case merges); checks and tolerances: `_fuzz_trainer_run.py`.
 
-CI runs the `trainer-fuzz-ci` profile: derandomized (the same examples every run), 200 examples (106-157 s beside three
-other jobs on the shared 2-core machine, 2026-11-28). `pytest tests/fuzz --fuzz-long` (or `TRL_INFINITE_FUZZ=long`) runs `trainer-fuzz-long`:
-random examples, many more of them. `TRL_INFINITE_FUZZ_EXAMPLES=N` sets the number of examples of either. Shrunk
+CI runs the `trainer-fuzz-ci` profile: derandomized (the same examples every run), 200 examples (12 of them tool
+cases; 106-164 s beside three other jobs on the shared 2-core machine, 2026-11-28). `pytest tests/fuzz --fuzz-long`
+(or `TRL_INFINITE_FUZZ=long`) runs `trainer-fuzz-long`: random examples, many more of them. `TRL_INFINITE_FUZZ_EXAMPLES=N` sets the number of examples of either. Shrunk
 failures are kept as ordinary tests in `test_trainer_fuzz_regressions.py`.
 """
 
