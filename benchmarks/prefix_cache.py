@@ -33,6 +33,7 @@ from benchmarks.common import git_commit  # noqa: E402
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from trl_infinite.testing.offline_models import byte_tokenizer  # noqa: E402
 from trl_infinite.testing.shared_data import dataset_file  # noqa: E402
+from trl_infinite.testing.tools import multiply  # noqa: E402
 
 HEADER_TOKENS = 200
 TOOL_SYSTEM = [{"role": "system", "content": "You are a careful assistant. Use the calculator tool for every "
@@ -64,17 +65,6 @@ def tiny_model(vocab: int) -> torch.nn.Module:
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=8192,
                       tie_word_embeddings=False)
     return Qwen3ForCausalLM(cfg).eval()
-
-
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a * b
 
 
 def make_engine(model, args, cache: bool) -> RolloutEngine:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import random
 
+from trl_infinite.testing.tools import divide, multiply
+
 # RoPE families of the matrix the tool cases are drawn from: a prompt with the tools' schema is ~700 byte tokens,
 # and these take `max_position_embeddings` as their only position limit (set to `MAX_POSITIONS`)
 TOOL_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "granite")
@@ -33,28 +35,6 @@ def tool_tokenizer():
     from trl_infinite.testing.offline_models import byte_tokenizer
 
     return byte_tokenizer(qwen3_chat_template)
-
-
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a * b
-
-
-def divide(a: int, b: int) -> float:
-    """
-    Divides two numbers.
-
-    Args:
-        a: The dividend.
-        b: The divisor.
-    """
-    return a / b
 
 
 TOOLS = [multiply, divide]

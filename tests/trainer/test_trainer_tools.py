@@ -8,6 +8,7 @@ from trainer_helpers import cpu_args, token_sum_reward
 from trl.chat_template_utils import qwen3_chat_template
 
 from trl_infinite.testing.offline_models import byte_tokenizer
+from trl_infinite.testing.tools import multiply
 from trl_infinite.trainer import InfiniteGRPOTrainer
 
 pytest.importorskip("jmespath")  # TRL's tool-call parsing on this transformers version
@@ -126,16 +127,6 @@ def test_rollout_func_can_use_the_engine(tmp_path):
 
 def _tool_run(tmp_path, prefix_cache: bool):
     tokenizer = byte_tokenizer(qwen3_chat_template)
-
-    def multiply(a: int, b: int) -> int:
-        """
-        Multiplies two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
-        return a * b
 
     turns = []
     original = InfiniteGRPOTrainer._generate_single_turn
