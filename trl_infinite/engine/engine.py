@@ -20,7 +20,7 @@ from trl_infinite.engine.executor import ModelExecutor
 from trl_infinite.engine.model.guard import model_guard
 from trl_infinite.engine.model.support import build_runner, check_support
 from trl_infinite.engine.outputs import RolloutResult, RolloutStats
-from trl_infinite.engine.runner.autocast import autocast_dtype, describe
+from trl_infinite.engine.runner.autocast import autocast_dtype, describe, uncached_casts
 from trl_infinite.engine.runner.eval_mode import eval_mode
 from trl_infinite.engine.runner.length_model import length_regressor
 from trl_infinite.engine.runner.sampler import Sampler
@@ -94,7 +94,7 @@ class RolloutEngine:
         self.decoder = StaticDecoder(self.runner, compile=decode.compile, cuda_graphs=decode.cuda_graphs,
                                      compile_backend=decode.compile_backend, max_graph_rows=graph_rows)
         if self.decoder.use_graphs:  # a step that cannot be captured turns graphs off here, with a warning
-            with torch.inference_mode(), eval_mode(model):
+            with torch.inference_mode(), eval_mode(model), uncached_casts(self.device.type):
                 self.pool.open(1)  # the trial capture writes the null block of a one-block pool
                 try:
                     self.decoder.check_capture()
@@ -177,9 +177,9 @@ class RolloutEngine:
         max_new = self._check_inputs(prompt_ids, num_generations, sampling, forced_lengths)
         processors = GenerationProcessors.for_call(self.model, sampling, self.device, max_new,
                                                    [len(p) for p in prompt_ids], self.vocab_size)
-        # the draft model is held with the model (`model_guard`): another engine's call on it waits
-        draft = self.speculator.draft_model if self.speculator is not None else None
-        with model_guard(self.model, also=draft), torch.inference_mode(), eval_mode(self.model):
+        draft = self.speculator.draft_model if self.speculator is not None else None  # held with the model
+        with model_guard(self.model, also=draft), torch.inference_mode(), eval_mode(self.model), \
+                uncached_casts(self.device.type):
             return self._generate(prompt_ids, num_generations, sampling, max_new, forced_lengths, on_sample_finished,
                                   on_decode_step, keep_pool, processors)
 

@@ -18,6 +18,9 @@ the same one at every `generate` (`RolloutEngine`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -31,3 +34,18 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 def describe(dtype: torch.dtype | None) -> str:
     """'under bfloat16 autocast' / 'without autocast' (for messages)."""
     return "without autocast" if dtype is None else f"under {str(dtype).removeprefix('torch.')} autocast"
+
+
+@contextlib.contextmanager
+def uncached_casts(device_type: str) -> Iterator[None]:
+    """The enclosing autocast state with autocast's cast cache off (every cast a dispatched op), for the engine's
+    forwards. Autocast caches a float32 leaf Parameter's cast for the rest of its outermost region, and torch 2.6 does
+    so under `inference_mode` too: an engine call in a region that spans an in-place weight update (an optimizer
+    step) read the old weights' casts, and a CUDA graph captured after an eager step that cached them replayed the
+    cached tensors, stale after the update and freed when the region ends (tests/engine/runner/test_weight_copy.py,
+    CI's oldest job). Without the cache each step casts the weights it reads, as torch 2.13's `inference_mode` does."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        yield
