@@ -16,11 +16,13 @@ import random
 
 from trl_infinite.testing.tools import divide, multiply
 
-# RoPE families of the matrix the tool cases are drawn from: a prompt with the tools' schema is ~700 byte tokens,
+# RoPE families of the matrix the tool cases are drawn from: a prompt with the tools' schema is ~1,100 byte tokens,
 # and these take `max_position_embeddings` as their only position limit (set to `MAX_POSITIONS`)
 TOOL_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "granite")
 MAX_POSITIONS = 2048
-MAX_COMPLETION = (90, 160, 240)  # a call is ~75 tokens and a result ~60: rolled back, one call, two calls
+# a call is 46-56 tokens; the answer's result ~19, an error's ~50: at 90 an error's result is rolled back as overlong
+# and an answer's turn truncated, at 160 one call fits whole, at 240 two
+MAX_COMPLETION = (90, 160, 240)
 CALLS = (
     '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
     '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call>',  # raises: a failure

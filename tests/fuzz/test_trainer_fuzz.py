@@ -6,8 +6,9 @@ the fix of their issue-40 case merges); checks and tolerances: `_fuzz_trainer_ru
 
 CI runs the `trainer-fuzz-ci` profile: derandomized (the same examples every run), 200 examples (12 of them tool
 cases; 106-164 s beside three other jobs on the shared 2-core machine, 2026-11-28). `pytest tests/fuzz --fuzz-long`
-(or `TRL_INFINITE_FUZZ=long`) runs `trainer-fuzz-long`: random examples, many more of them. `TRL_INFINITE_FUZZ_EXAMPLES=N` sets the number of examples of either. Shrunk
-failures are kept as ordinary tests in `test_trainer_fuzz_regressions.py`.
+(or `TRL_INFINITE_FUZZ=long`) runs `trainer-fuzz-long`: random examples, many more of them.
+`TRL_INFINITE_FUZZ_EXAMPLES=N` sets the number of examples of either. Shrunk failures are kept as ordinary tests in
+`test_trainer_fuzz_regressions.py`.
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ def test_captured_steps_on_the_copy():
             outputs.append((got, base, emu.counts["captures"], [t.data_ptr() for t in engine.weight_copy.tensors()]))
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)  # an optimizer step, in place
-        (first, base1, captures1, held1), (second, base2, captures2, held2) = outputs
+    (first, base1, captures1, held1), (second, base2, captures2, held2) = outputs
     assert first.completion_ids == base1.completion_ids and second.completion_ids == base2.completion_ids
     assert first.logprobs == base1.logprobs and second.logprobs == base2.logprobs
     assert first.completion_ids != second.completion_ids  # the replays read the refreshed copy
@@ -279,7 +279,7 @@ def test_captured_steps_on_a_copy_made_per_call():
             captures.append(got.stats.graph_captures)
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)
-        assert emu.counts["replays"] > 0 and not emu.counts["moved_storage"]
+    assert emu.counts["replays"] > 0 and not emu.counts["moved_storage"]
     assert captures[0] > 0 and captures[1] == 0, captures
 
 
@@ -307,7 +307,7 @@ def test_compiled_step_on_the_copy_follows_each_call():
             assert held and all(r() is None for r in held)  # the compiled step holds no copy
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)
-        assert outs[0] != outs[1]
+    assert outs[0] != outs[1]
 
 
 class _Noisy(torch.nn.Module):

@@ -38,7 +38,8 @@ RECOMPILE_LIMIT_SETTING = "recompile_limit" if hasattr(torch._dynamo.config, "re
 def fast_dispatch_supported(version: str = torch.__version__) -> bool:
     """Whether this torch is one whose Dynamo cache the direct dispatch was checked on (see the module docstring)."""
     major, minor = version.split("+")[0].split(".")[:2]
-    return (int(major), int(minor)) in FAST_DISPATCH_TORCH and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    return ((int(major), int(minor)) in FAST_DISPATCH_TORCH
+            and hasattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list"))
 
 
 class StepCompileError(RuntimeError):
