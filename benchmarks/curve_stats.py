@@ -72,9 +72,23 @@ def verdict(a: list[float], b: list[float], tolerance: float) -> tuple[str, tupl
         return "too few seeds", None
     if -tolerance < ci90[1] and ci90[2] < tolerance:
         return "equivalent", ci90
-    if ci95[1] > 0 or ci95[2] < 0:
+    if _excludes_zero(ci95):
         return "different", ci95
     return "inconclusive", ci90
+
+
+def _excludes_zero(ci: tuple) -> bool:
+    return ci[1] > 0 or ci[2] < 0
+
+
+def _span(a: list[float], b: list[float]) -> str:
+    """Both of Welch's intervals, and a difference that is significant yet inside the tolerance said in words."""
+    ci90, ci95 = welch(a, b, 0.90), welch(a, b, 0.95)
+    if ci90 is None:
+        return ""
+    text = (f"ours - TRL = {ci90[0]:+.3f}, 90% interval [{ci90[1]:+.3f}, {ci90[2]:+.3f}], "
+            f"95% interval [{ci95[1]:+.3f}, {ci95[2]:+.3f}]")
+    return text + ("; the 95% interval excludes 0" if _excludes_zero(ci95) else "")
 
 
 def time_to_level(run: dict, level: float, smooth: int, clock: str) -> float | None:
@@ -126,9 +140,10 @@ def compare_runs(runs: list[dict], final_window: int, smooth: int, level: float 
         lines.append("")
         for name, values in (("final reward", final), ("AUC", auc)):
             word, ci = verdict(values["infinite"], values["trl"], tolerance)
-            data[f"{name}_verdict"] = {"verdict": word, "interval": ci}
-            span = f"ours - TRL = {ci[0]:+.3f}, interval [{ci[1]:+.3f}, {ci[2]:+.3f}]" if ci else ""
-            lines.append(f"- {name}: {word} (tolerance ±{tolerance:g}; {span})")
+            ours, trl = values["infinite"], values["trl"]
+            data[f"{name}_verdict"] = {"verdict": word, "interval": ci,
+                                       "welch90": welch(ours, trl, 0.90), "welch95": welch(ours, trl, 0.95)}
+            lines.append(f"- {name}: {word} (tolerance ±{tolerance:g}; {_span(ours, trl)})")
         for i, clock in enumerate(("wall", "CPU")):
             ours, trl = _mean(reach["infinite"][i]), _mean(reach["trl"][i])
             ratio = ours / trl if ours is not None and trl else None

@@ -137,3 +137,10 @@ def test_verdicts_and_time_to_level_on_known_curves():
     noisy += [run("infinite", s, [0.0, v]) for s, v in enumerate((0.3, 1.0, 0.4))]
     report = stats.compare_runs(noisy, final_window=1, smooth=1, level=0.5, tolerance=0.15)
     assert report.data["final reward_verdict"]["verdict"] == "inconclusive"
+    # a difference shown at 95% yet inside the tolerance: equivalent, and the line says the 95% interval excludes 0
+    shifted = [run("trl", s, [0.0, v]) for s, v in enumerate((0.50, 0.52, 0.48, 0.51, 0.49))]
+    shifted += [run("infinite", s, [0.0, v + 0.05]) for s, v in enumerate((0.50, 0.52, 0.48, 0.51, 0.49))]
+    report = stats.compare_runs(shifted, final_window=1, smooth=1, level=0.5, tolerance=0.15)
+    found = report.data["final reward_verdict"]
+    assert found["verdict"] == "equivalent" and found["welch95"][1] > 0 and found["welch90"] == found["interval"]
+    assert "95% interval excludes 0" in report.markdown
