@@ -8,10 +8,17 @@ rounding: an argmax between two logits within `TIE_TOLERANCE` of each other, or 
 falls within `TIE_TOLERANCE` of a CDF boundary. At the first token where two outputs differ the check recomputes
 the choice from the model's own full forward and accepts the rest of that sample only at such a tie; anything else
 fails.
+
+Under bf16 autocast (`Case.autocast`: TRL's `bf16=True` on float32 weights; the whole case, references included, in
+one CPU autocast region) two paths round differently at bf16's precision: logits of equal inputs through other query
+shapes (chunked prefill, a verification forward, other batch sizes) differ by about as much as the model's own bf16
+forward differs from its float32 one. There the tolerances scale with that gap (`tolerance_for`), not with float32's
+rounding.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -25,13 +32,22 @@ from hypothesis import strategies as st
 from trl_infinite.engine import EngineConfig, RolloutEngine, RolloutResult, SamplingParams
 from trl_infinite.engine.config.logits import GenerationProcessors
 from trl_infinite.engine.decode.cpu_graphs import emulate_cuda_graphs
-from trl_infinite.engine.runner.sampler import Sampler, row_keys, seen_mask, uniform64
+from trl_infinite.engine.runner.autocast import uncached_casts
+from trl_infinite.engine.runner.sampler import Sampler, categorical, row_keys, seen_mask
 from trl_infinite.engine.sched.block_manager import blocks_for
 from trl_infinite.engine.spec_decode import decoupled
 from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan
 from trl_infinite.testing.weight_routes import FAMILIES, ROUTES, SEEN, lora_model
 
 TIE_TOLERANCE = 1e-5  # relative to the largest logit / the row's total mass
+LOGPROB_TOLERANCE = 1e-3  # between log-probs of equal tokens, float32
+# under bf16 autocast, how far two paths' logits may lie apart: this many times the call's largest gap between the
+# model's own bf16 and float32 logits (each path rounds about as much as that forward), and at least this many bf16
+# ulps of its largest logit. Measured: 1.3e-3 between bf16 and float32 at max |logit| 0.37 (about one ulp, the gap
+# between two engine paths too); after a weight change that made the activations large, over 2 at max |logit| 9.6,
+# where the engine and `generate` disagreed on a greedy token 0.31 apart (one ulp there is 0.0625)
+AUTOCAST_GAPS = 2
+AUTOCAST_ULPS = 2
 VOCAB = 96
 SCHEDULERS = ("fifo", "sjf", "lfs", "lrf", "lfs_max", "fptas", "infinite", "seer")
 PREDICTORS = ("history", "prefix", "group", "none")
@@ -65,6 +81,7 @@ class Case:
     graphs: bool = False  # decode steps captured and replayed (the CPU capture emulation; the pool at fixed addresses)
     draft: str = "same"  # the draft model's variant (`DRAFT_VARIANTS`), for 'draft_model' / 'best_of_n'
     weights: str | None = None  # a family of `weight_routes.FAMILIES`: a fresh model whose weights change; None: not
+    autocast: bool = False  # the whole case (engine, calls, weight changes, references) in one CPU bf16 autocast region
 
     def engine_config(self, draft_model=None) -> EngineConfig:
         bs = self.config["block_size"]
@@ -169,7 +186,52 @@ def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
         fault = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(1, 6)))
         case.calls.append(Call(draw(prompt_sets()), draw(st.integers(1, 6)), draw(sampling_params(eos_pool)), fault))
     draw(weight_changes(case, eos_pool))
+    if draw(st.integers(0, 5)) == 0:  # TRL's bf16=True on float32 weights; the rollout copy of the weights or not
+        case.autocast = True
+        case.config["weight_copy"] = draw(st.sampled_from(["auto", "auto", "off"]))
     return case
+
+
+# ---------------------------------------------------------------------------------------------------- tolerances
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two computations of the same tokens may differ. float32 (the default): log-probs of equal tokens by
+    `LOGPROB_TOLERANCE`, a tie within `TIE_TOLERANCE` relative. Under bf16 autocast: `bf16`, in logit units
+    (`tolerance_for`), over the temperature for log-probs."""
+
+    bf16: float | None = None
+
+    def logprob(self, temperature: float) -> float:
+        return LOGPROB_TOLERANCE if self.bf16 is None else max(LOGPROB_TOLERANCE, self.bf16 / temperature)
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at `x` (8 significant bits)."""
+    return 2.0 ** math.floor(math.log2(max(abs(x), 2.0**-126))) * torch.finfo(torch.bfloat16).eps
+
+
+def tolerance_for(model, call: Call, ref_ids: list[list[int]]) -> Tolerance:
+    """float32's, or under CPU autocast the bf16 bound (`AUTOCAST_GAPS`, `AUTOCAST_ULPS`) over the call's prompts
+    and reference completions (the model's own full forward in the region and without autocast), scaled by the
+    repetition penalty (which multiplies negative logits)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return Tolerance()
+    g, largest, gap = call.num_generations, 0.0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(ref_ids), g):
+            for ids in {tuple(r) for r in ref_ids[i: i + g]}:
+                x = torch.tensor([call.prompts[i // g] + list(ids)])
+                half = model(x, use_cache=False).logits.float()
+                with torch.autocast("cpu", enabled=False):
+                    full = model(x, use_cache=False).logits.float()
+                largest, gap = max(largest, full.abs().max().item()), max(gap, (half - full).abs().max().item())
+    scale = call.sampling.repetition_penalty
+    return Tolerance(scale * max(AUTOCAST_GAPS * gap, AUTOCAST_ULPS * bf16_ulp(largest * scale)))
+
+
+def _temperatures(sampling: SamplingParams) -> tuple[float, float | None]:
+    """The temperature of the processed log-probs (1 for greedy) and of the raw ones (None: not returned)."""
+    return (sampling.temperature if not sampling.greedy else 1.0), sampling.raw_logprobs_temperature
 
 
 # ---------------------------------------------------------------------------------------------------- references
@@ -192,31 +254,76 @@ def canonical_engine(model) -> RolloutEngine:
                                              scheduler="fifo", history_max_prompts=0))
 
 
-def _processed_row(model, context: list[int], prompt_len: int, sampling: SamplingParams) -> torch.Tensor:
-    """[V] processed log-probs of the next token after `context`, from the model's own full forward."""
+def _model_logits(model, context: list[int]) -> torch.Tensor:
+    """[1, V] float32 logits of the next token after `context`, from the model's own full forward."""
     with torch.no_grad():
-        logits = model(torch.tensor([context]), use_cache=False).logits[0, -1:].float()
-    history = torch.tensor([context])
+        return model(torch.tensor([context]), use_cache=False).logits[0, -1:].float()
+
+
+def _process(model, logits: torch.Tensor, context: list[int], prompt_len: int, sampling: SamplingParams
+             ) -> torch.Tensor:
+    """[N, V] raw logits after `context` -> [N, V] processed log-probs (the sampler's, `generate`'s processors too)."""
+    history = torch.tensor([context]).expand(len(logits), -1)
     if sampling.generation_kwargs:
         sampler = Sampler(sampling, GenerationProcessors(model, sampling, logits.device))
         if sampler.has_extra_processors:
-            return sampler.process(logits, None, history, [prompt_len])[0]
-    return Sampler(sampling).process(logits, seen_mask(history, logits.shape[-1]))[0]
+            return sampler.process(logits, None, history, [prompt_len] * len(logits))
+    return Sampler(sampling).process(logits, seen_mask(history, logits.shape[-1]))
+
+
+def _logit_bound(logits: torch.Tensor, tol: Tolerance) -> float:
+    """How far (in logit units) the same logits may lie from another path's: float32 rounding, or `tol.bf16`."""
+    return TIE_TOLERANCE * max(1.0, logits.abs().max().item()) if tol.bf16 is None else tol.bf16
+
+
+def admissible_rows(model, context: list[int], prompt_len: int, sampling: SamplingParams,
+                    tol: Tolerance) -> torch.Tensor:
+    """[1 + 4V + 30, V] processed log-probs after `context`: the model's own row, then rows of logits moved by at most the
+    rounding bound, at the extremes that decide a draw. Top-k, top-p and min-p cut the distribution where the logits
+    rank and where the sorted mass reaches a level, and the inverse-CDF draw where the mass in vocabulary order
+    reaches the uniform; a path whose logits lie within rounding of the model's may cut or draw elsewhere, which also
+    renormalizes every other token's probability. The rows: each token raised and lowered alone (its rank), and the
+    first m tokens in rank order, then in vocabulary order, raised with the rest lowered and the reverse (the mass
+    before a cut or a draw at its largest and smallest), and the logits on grids (ties). Each is a row some path
+    within rounding may have seen."""
+    logits = _model_logits(model, context)
+    vocab, delta = logits.shape[-1], _logit_bound(logits, tol)
+    eye = torch.eye(vocab)
+    first = torch.tril(torch.ones(vocab, vocab))  # row m: the first m + 1 tokens
+    by_rank = torch.zeros(vocab, vocab)
+    by_rank[:, logits[0].argsort(descending=True)] = first
+    split = 2 * torch.cat([by_rank, first]) - 1  # +1 on the first m + 1, -1 on the rest
+    bumps = delta * torch.cat([torch.zeros(1, vocab), eye, -eye, split, -split])
+    # logits rounded to a grid (each moves by at most half a step): close logits become equal, as a 16-bit output's
+    # do, and top-k keeps every token tied with its k-th
+    grids = [torch.round((logits - off) / q) * q + off - logits
+             for q in (delta * 2.0**-j for j in range(-1, 9)) for off in (0.0, q / 3, 2 * q / 3)]
+    return _process(model, logits + torch.cat([bumps, *grids]), context, prompt_len, sampling).double()
 
 
 def is_tie(model, prompt: list[int], done: list[int], a: int, b: int, sampling: SamplingParams, group: int,
-           sample: int) -> bool:
-    """Whether tokens `a` and `b` are both the right choice after `prompt + done` up to float32 rounding."""
-    row = _processed_row(model, prompt + done, len(prompt), sampling).double()
+           sample: int, tol: Tolerance = Tolerance()) -> bool:
+    """Whether tokens `a` and `b` are both the right choice after `prompt + done` up to rounding (float32, or under
+    autocast `tol.bf16`): an argmax between logits within rounding, or the sampler's own draw (its uniform) giving `a`
+    from one admissible row and `b` from another (`admissible_rows`: a uniform at a CDF boundary, a token at a cut)."""
+    rows = admissible_rows(model, prompt + done, len(prompt), sampling, tol)
+    row = rows[0]
     if sampling.greedy:
-        return abs(row[a] - row[b]).item() <= TIE_TOLERANCE * max(1.0, row.abs().max().item())
-    probs = row.exp()
-    cdf = probs.cumsum(0)
+        bound = TIE_TOLERANCE * max(1.0, row.abs().max().item()) if tol.bf16 is None else tol.bf16
+        return abs(row[a] - row[b]).item() <= bound
     key = row_keys(sampling.seed, torch.tensor([group]), torch.tensor([sample]),
                    torch.tensor([len(prompt) + len(done)]))
-    target = uniform64(key)[0].item() * cdf[-1].item()
-    lo, hi = min(a, b), max(a, b)
-    return bool((cdf[lo:hi] - target).abs().min().item() <= TIE_TOLERANCE * cdf[-1].item())
+    choices = set(categorical(rows.float(), key.expand(len(rows))).tolist())  # the sampler's own draw, each row
+    return a in choices and b in choices
+
+
+def equal_up_to_the_cut(model, prompt: list[int], done: list[int], token: int, got: float, ref: float,
+                        sampling: SamplingParams, tol: Tolerance) -> bool:
+    """Two processed log-probs of the same `token` after `prompt + done` that differ beyond rounding: each is that
+    token's log-prob in some admissible row (a token at a top-k / top-p / min-p cut in on one path, out on the other)."""
+    rows = admissible_rows(model, prompt + done, len(prompt), sampling, tol)[:, token]
+    bound = tol.logprob(sampling.temperature if not sampling.greedy else 1.0)
+    return all(bool(((rows - x).abs() <= bound).any()) for x in (got, ref))
 
 
 # ---------------------------------------------------------------------------------------------------- invariants
@@ -237,19 +344,27 @@ def check_same_tokens(model, call: Call, got: RolloutResult, ref: RolloutResult 
     is a tie (module docstring); where the tokens are equal, so are the log-probs (raw ones too) up to rounding."""
     g = call.num_generations
     ref_ids = ref.completion_ids if isinstance(ref, RolloutResult) else ref
+    tol = tolerance_for(model, call, ref_ids)
     assert (got.raw_logprobs is not None) == (call.sampling.raw_logprobs_temperature is not None)
     for row, (a, b) in enumerate(zip(got.completion_ids, ref_ids)):
         if a == b:
             if isinstance(ref, RolloutResult):
-                pairs = [(got.logprobs, ref.logprobs)] + ([(got.raw_logprobs, ref.raw_logprobs)]
-                                                          if got.raw_logprobs is not None else [])
-                for x, y in pairs:
-                    assert len(x[row]) == len(a) and max(abs(u - v) for u, v in zip(x[row], y[row])) < 1e-3, row
+                t, t_raw = _temperatures(call.sampling)
+                pairs = [(got.logprobs, ref.logprobs, t)] + ([(got.raw_logprobs, ref.raw_logprobs, t_raw)]
+                                                             if got.raw_logprobs is not None else [])
+                prompt = call.prompts[row // g]
+                for i, (x, y, temperature) in enumerate(pairs):
+                    assert len(x[row]) == len(a), row
+                    for k, (u, v) in enumerate(zip(x[row], y[row])):
+                        # a processed (not raw) log-prob may differ by a token at the cut's mass
+                        assert abs(u - v) < tol.logprob(temperature) or (
+                            i == 0 and equal_up_to_the_cut(model, prompt, a[:k], a[k], u, v, call.sampling, tol)
+                        ), f"row {row}: log-probs of equal tokens at {k}: {u:.6g} vs {v:.6g}"
             continue
         k = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), None)
         assert k is not None, f"row {row}: one output is a prefix of the other: {a} vs {b}"
         prompt = call.prompts[row // g]
-        tie = is_tie(model, prompt, b[:k], a[k], b[k], call.sampling, row // g, row % g)
+        tie = is_tie(model, prompt, b[:k], a[k], b[k], call.sampling, row // g, row % g, tol)
         assert tie, f"row {row} differs at token {k} without a tie: got {a}, expected {b}"
 
 
@@ -338,9 +453,18 @@ def scripted_plans(seed: int | None):
 
 def run_case(case, model=None) -> None:
     """Build the engine of `case`, make its calls, check every invariant after each. `model`: the model to run
-    instead of the world's (a fresh `tiny_model(case.arch)` has the same weights, so the same references)."""
+    instead of the world's (a fresh `tiny_model(case.arch)` has the same weights, so the same references). A case
+    under autocast runs whole in one CPU bf16 region, on a fresh model with its own references (`WeightChanges`)."""
+    if case.autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _run_case(case, model, fresh=True)
+    else:
+        _run_case(case, model)
+
+
+def _run_case(case, model=None, fresh: bool = False) -> None:
     w = world()
-    changing = WeightChanges(case) if case.weights is not None else None
+    changing = WeightChanges(case) if case.weights is not None or fresh else None
     model = changing.model if changing is not None else w.models[case.arch] if model is None else model
     config = case.engine_config(w.draft if case.draft == "same" else draft_variant(case.draft, model))
     with emulate_cuda_graphs() if case.graphs else nullcontext():
@@ -352,8 +476,12 @@ def run_case(case, model=None) -> None:
             if call.fault_at is not None:
                 interrupted(model, engine, call)
             result = engine.generate(call.prompts, call.num_generations, call.sampling)
-        reference = changing.reference(call) if changing is not None else w.reference(case.arch, call)
-        check_call(model, engine, call, result, reference)
+        # the references' and checks' forwards cast the weights as they are now: in a region that spans an in-place
+        # update, autocast's cast cache would serve the casts of the old weights (the engine's own forwards too, which
+        # is why they run with the cache off; a user's region, accelerate's, wraps one forward)
+        with uncached_casts("cpu"):
+            reference = changing.reference(call) if changing is not None else w.reference(case.arch, call)
+            check_call(model, engine, call, result, reference)
 
 
 class _Fault(Exception):

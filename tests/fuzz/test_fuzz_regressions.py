@@ -33,6 +33,9 @@
    uncaptured (`fuzz-long`): inductor's C++ wrapper reads the step's size arguments on the host, and reported the
    emulator's refusal as `RuntimeError: aoti_torch_item_int64(...) API call failed`. The emulator now raises such a
    refusal again as itself (`cpu_graphs.GraphEmulator.capture`), as a CUDA capture's error stays one.
+
+Not a failure but the check's own teeth: the bf16 autocast draw (the only one on the engine's 16-bit weight copy)
+fails on a mutant whose held copy goes stale after a weight change (`test_the_autocast_draw_sees_a_stale_weight_copy`).
 """
 
 from __future__ import annotations
@@ -166,3 +169,34 @@ def test_a_draft_on_the_config_of_a_lora_target():
     sampling = SamplingParams(max_new_tokens=5, temperature=0.7, seed=0)
     run_case(Case("qwen3", config, 0, [Call([[0, 0, 0]], 2, sampling), Call([[4, 9]], 2, sampling)],
                   draft="shared_config", weights="lora"))
+
+
+def _autocast_case(route: str) -> Case:
+    """Two greedy calls under bf16 autocast on the engine's 16-bit weight copy (held between them: the pool is
+    kept), the weights changed by `route` before the second."""
+    config = {**BASE, "max_active_sequences": 4, "block_size": 4, "max_prefill_tokens": 4096,
+              "kv_cache_release": False, "prefix_cache": True, "weight_copy": "auto"}
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    return Case("qwen3", config, 0, [Call(prompts, 2, sampling), Call(prompts, 2, sampling, change=(route, 1))],
+                weights="train", autocast=True)
+
+
+@pytest.mark.parametrize("route", ["sgd", "adamw_fused"])
+def test_the_autocast_draw_sees_a_stale_weight_copy(route, monkeypatch):
+    """The autocast draw is the only one in which the engine runs on its 16-bit weight copy. Its checks pass on the
+    engine as it is, and fail on a mutant whose held copy is never brought up to date after a weight change (one
+    the fingerprint sees, SGD, and one it cannot, a fused AdamW step: without `kv_cache_reuse_across_calls` every call
+    takes the weights as changed)."""
+    from trl_infinite.engine.runner.weight_copy import WeightCopy
+
+    run_case(_autocast_case(route))
+    refresh = WeightCopy.refresh
+
+    def stale(copy):
+        if not copy.allocated:
+            refresh(copy)
+
+    monkeypatch.setattr(WeightCopy, "refresh", stale)
+    with pytest.raises(AssertionError, match="without a tie"):
+        run_case(_autocast_case(route))
