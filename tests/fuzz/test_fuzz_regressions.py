@@ -200,3 +200,16 @@ def test_the_autocast_draw_sees_a_stale_weight_copy(route, monkeypatch):
     monkeypatch.setattr(WeightCopy, "refresh", stale)
     with pytest.raises(AssertionError, match="without a tie"):
         run_case(_autocast_case(route))
+
+
+def test_an_optimizer_step_after_the_adapters_were_disabled():
+    """Found by the autocast draw's long run (a harness gap, not the engine's): `lora_toggle` disables the adapters,
+    whose parameters then stop requiring grad, and the next optimizer route built an optimizer over no parameter
+    (`ValueError`); it now steps nothing, as a trainer's step changes nothing then."""
+    config = {**BASE, "max_active_sequences": 4, "block_size": 4, "kv_cache_release": False,
+              "kv_cache_reuse_across_calls": True}
+    prompts = [[45, 47, 11, 47, 2, 81, 27], [45, 47, 11, 47, 2, 81, 33, 89]]
+    calls = [Call(prompts, 2, SamplingParams(max_new_tokens=4, temperature=0.0)),
+             Call(prompts, 2, SamplingParams(max_new_tokens=5, temperature=0.7, seed=421), change=("lora_toggle", 1)),
+             Call(prompts, 1, SamplingParams(max_new_tokens=6, temperature=1.3, seed=9), change=("adamw_fused", 2))]
+    run_case(Case("qwen3", config, 0, calls, weights="lora"))

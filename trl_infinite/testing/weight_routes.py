@@ -23,10 +23,13 @@ def _noise(p: torch.Tensor, seed: int, scale: float = 0.5) -> torch.Tensor:
 
 
 def _step(optimizer_cls, **kw) -> Route:
-    """One optimizer step on random gradients (every trainable parameter)."""
+    """One optimizer step on random gradients (every trainable parameter; none, e.g. LoRA adapters disabled by
+    `lora_toggle`, whose parameters then stop requiring grad: no step, as a trainer's step changes nothing then)."""
 
     def route(model: nn.Module, seed: int) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            return
         for i, p in enumerate(params):
             p.grad = _noise(p, seed + i, 1.0)
         optimizer_cls(params, **kw).step()
