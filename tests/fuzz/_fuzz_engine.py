@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from unittest.mock import patch
 
 import torch
@@ -314,6 +314,20 @@ def is_tie(model, prompt: list[int], done: list[int], a: int, b: int, sampling: 
     key = row_keys(sampling.seed, torch.tensor([group]), torch.tensor([sample]),
                    torch.tensor([len(prompt) + len(done)]))
     choices = set(categorical(rows.float(), key.expand(len(rows))).tolist())  # the sampler's own draw, each row
+    if a in choices and b in choices:
+        return True
+    # a cut and a draw both moved: every support seen above, and every prefix of the ranking between their sizes (a
+    # cut keeps a prefix; the extremes above may skip one), with the draw's extremes on the untruncated rows
+    uncut = admissible_rows(model, prompt + done, len(prompt), replace(sampling, top_k=0, top_p=1.0, min_p=0.0), tol)
+    seen = torch.unique(rows > -torch.inf, dim=0)
+    sizes = seen.sum(-1)
+    prefixes = torch.zeros(int(sizes.max() - sizes.min()) + 1, rows.shape[-1], dtype=torch.bool)
+    order = uncut[0].argsort(descending=True)
+    for i, n in enumerate(range(int(sizes.min()), int(sizes.max()) + 1)):
+        prefixes[i, order[:n]] = True
+    for support in torch.cat([seen, prefixes]):
+        masked = uncut.masked_fill(~support, -torch.inf)
+        choices |= set(categorical(masked.float(), key.expand(len(masked))).tolist())
     return a in choices and b in choices
 
 
