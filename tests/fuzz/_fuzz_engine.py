@@ -316,28 +316,39 @@ def is_tie(model, prompt: list[int], done: list[int], a: int, b: int, sampling: 
     choices = set(categorical(rows.float(), key.expand(len(rows))).tolist())  # the sampler's own draw, each row
     if a in choices and b in choices:
         return True
-    # a cut and a draw both moved: every support seen above, and every prefix of the ranking between their sizes (a
-    # cut keeps a prefix; the extremes above may skip one), with the draw's extremes on the untruncated rows
-    uncut = admissible_rows(model, prompt + done, len(prompt), replace(sampling, top_k=0, top_p=1.0, min_p=0.0), tol)
+    # a cut and a draw both moved: each support, with the draw's extremes on the untruncated rows
+    uncut, supports = _supports(model, prompt + done, len(prompt), sampling, tol, rows)
+    for support in supports:
+        masked = uncut.masked_fill(~support, -torch.inf)
+        choices |= set(categorical(masked.float(), key.expand(len(masked))).tolist())
+    return a in choices and b in choices
+
+
+def _supports(model, context: list[int], prompt_len: int, sampling: SamplingParams, tol: Tolerance,
+              rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The admissible rows without the cuts, and the supports a cut may keep: those of the admissible `rows`, and
+    every prefix of the ranking between their sizes (a cut keeps a prefix; the extremes may skip one)."""
+    uncut = admissible_rows(model, context, prompt_len, replace(sampling, top_k=0, top_p=1.0, min_p=0.0), tol)
     seen = torch.unique(rows > -torch.inf, dim=0)
     sizes = seen.sum(-1)
     prefixes = torch.zeros(int(sizes.max() - sizes.min()) + 1, rows.shape[-1], dtype=torch.bool)
     order = uncut[0].argsort(descending=True)
     for i, n in enumerate(range(int(sizes.min()), int(sizes.max()) + 1)):
         prefixes[i, order[:n]] = True
-    for support in torch.cat([seen, prefixes]):
-        masked = uncut.masked_fill(~support, -torch.inf)
-        choices |= set(categorical(masked.float(), key.expand(len(masked))).tolist())
-    return a in choices and b in choices
+    return uncut, torch.cat([seen, prefixes])
 
 
 def equal_up_to_the_cut(model, prompt: list[int], done: list[int], token: int, got: float, ref: float,
                         sampling: SamplingParams, tol: Tolerance) -> bool:
     """Two processed log-probs of the same `token` after `prompt + done` that differ beyond rounding: each is that
-    token's log-prob in some admissible row (a token at a top-k / top-p / min-p cut in on one path, out on the other)."""
-    rows = admissible_rows(model, prompt + done, len(prompt), sampling, tol)[:, token]
+    token's log-prob in some admissible row or under some support a cut may keep (`_supports`: a token at a top-k /
+    top-p / min-p cut in on one path, out on the other)."""
+    rows = admissible_rows(model, prompt + done, len(prompt), sampling, tol)
+    uncut, supports = _supports(model, prompt + done, len(prompt), sampling, tol, rows)
+    kept = torch.log_softmax(uncut[:1].masked_fill(~supports, -torch.inf), dim=-1)  # the model's row, each support
+    values = torch.cat([rows[:, token], kept[:, token]])
     bound = tol.logprob(sampling.temperature if not sampling.greedy else 1.0)
-    return all(bool(((rows - x).abs() <= bound).any()) for x in (got, ref))
+    return all(bool(((values - x).abs() <= bound).any()) for x in (got, ref))
 
 
 # ---------------------------------------------------------------------------------------------------- invariants
