@@ -81,10 +81,9 @@ def _excludes_zero(ci: tuple) -> bool:
     return ci[1] > 0 or ci[2] < 0
 
 
-def _span(a: list[float], b: list[float]) -> str:
+def _span(ci90: tuple | None, ci95: tuple | None) -> str:
     """Both of Welch's intervals, and a difference that is significant yet inside the tolerance said in words."""
-    ci90, ci95 = welch(a, b, 0.90), welch(a, b, 0.95)
-    if ci90 is None:
+    if ci90 is None or ci95 is None:
         return ""
     text = (f"ours - TRL = {ci90[0]:+.3f}, 90% interval [{ci90[1]:+.3f}, {ci90[2]:+.3f}], "
             f"95% interval [{ci95[1]:+.3f}, {ci95[2]:+.3f}]")
@@ -140,10 +139,9 @@ def compare_runs(runs: list[dict], final_window: int, smooth: int, level: float 
         lines.append("")
         for name, values in (("final reward", final), ("AUC", auc)):
             word, ci = verdict(values["infinite"], values["trl"], tolerance)
-            ours, trl = values["infinite"], values["trl"]
-            data[f"{name}_verdict"] = {"verdict": word, "interval": ci,
-                                       "welch90": welch(ours, trl, 0.90), "welch95": welch(ours, trl, 0.95)}
-            lines.append(f"- {name}: {word} (tolerance ±{tolerance:g}; {_span(ours, trl)})")
+            ci90, ci95 = welch(values["infinite"], values["trl"], 0.90), welch(values["infinite"], values["trl"], 0.95)
+            data[f"{name}_verdict"] = {"verdict": word, "interval": ci, "welch90": ci90, "welch95": ci95}
+            lines.append(f"- {name}: {word} (tolerance ±{tolerance:g}; {_span(ci90, ci95)})")
         for i, clock in enumerate(("wall", "CPU")):
             ours, trl = _mean(reach["infinite"][i]), _mean(reach["trl"][i])
             ratio = ours / trl if ours is not None and trl else None
