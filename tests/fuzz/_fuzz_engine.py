@@ -4,10 +4,11 @@ references (`model.generate` for greedy, a canonical plain engine for sampling);
 Outputs are compared token for token. Two forwards that compute the same logits through different kernels (the
 paged decode step against `generate`'s cache, a verification forward against a one-token step, batch buckets of
 different sizes) agree to float32 rounding, not bit for bit, so a token may flip where the choice is a tie at that
-rounding: an argmax between two logits within `TIE_TOLERANCE` of each other, or an inverse-CDF draw whose uniform
-falls within `TIE_TOLERANCE` of a CDF boundary. At the first token where two outputs differ the check recomputes
-the choice from the model's own full forward and accepts the rest of that sample only at such a tie; anything else
-fails.
+rounding: an argmax between two logits within `TIE_TOLERANCE` of each other, or a draw that the sampler's own
+inverse CDF (its uniform) gives either way from logits within rounding of the model's, a uniform at a CDF boundary or
+a token at a top-k / top-p / min-p cut (`admissible_rows`, `is_tie`). At the first token where two outputs differ the
+check recomputes the choice from the model's own full forward and accepts the rest of that sample only at such a tie;
+anything else fails.
 
 Under bf16 autocast (`Case.autocast`: TRL's `bf16=True` on float32 weights; the whole case, references included, in
 one CPU autocast region) two paths round differently at bf16's precision: logits of equal inputs through other query
