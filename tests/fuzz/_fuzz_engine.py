@@ -19,7 +19,6 @@ rounding.
 
 from __future__ import annotations
 
-import math
 import random
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -38,17 +37,11 @@ from trl_infinite.engine.runner.sampler import Sampler, categorical, row_keys, s
 from trl_infinite.engine.sched.block_manager import blocks_for
 from trl_infinite.engine.spec_decode import decoupled
 from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan
+from trl_infinite.testing.rounding import autocast_logit_bound
 from trl_infinite.testing.weight_routes import FAMILIES, ROUTES, SEEN, lora_model
 
 TIE_TOLERANCE = 1e-5  # relative to the largest logit / the row's total mass
 LOGPROB_TOLERANCE = 1e-3  # between log-probs of equal tokens, float32
-# under bf16 autocast, how far two paths' logits may lie apart: this many times the call's largest gap between the
-# model's own bf16 and float32 logits (each path rounds about as much as that forward), and at least this many bf16
-# ulps of its largest logit. Measured: 1.3e-3 between bf16 and float32 at max |logit| 0.37 (about one ulp, the gap
-# between two engine paths too); after a weight change that made the activations large, over 2 at max |logit| 9.6,
-# where the engine and `generate` disagreed on a greedy token 0.31 apart (one ulp there is 0.0625)
-AUTOCAST_GAPS = 2
-AUTOCAST_ULPS = 2
 VOCAB = 96
 SCHEDULERS = ("fifo", "sjf", "lfs", "lrf", "lfs_max", "fptas", "infinite", "seer")
 PREDICTORS = ("history", "prefix", "group", "none")
@@ -198,7 +191,7 @@ def cases(draw, eos_pool: list[int], allow_compile: bool = False) -> Case:
 class Tolerance:
     """How far two computations of the same tokens may differ. float32 (the default): log-probs of equal tokens by
     `LOGPROB_TOLERANCE`, a tie within `TIE_TOLERANCE` relative. Under bf16 autocast: `bf16`, in logit units
-    (`tolerance_for`), over the temperature for log-probs."""
+    (`tolerance_for`, `testing/rounding.py`), over the temperature for log-probs."""
 
     bf16: float | None = None
 
@@ -206,28 +199,15 @@ class Tolerance:
         return LOGPROB_TOLERANCE if self.bf16 is None else max(LOGPROB_TOLERANCE, self.bf16 / temperature)
 
 
-def bf16_ulp(x: float) -> float:
-    """The spacing of bfloat16 numbers at `x` (8 significant bits)."""
-    return 2.0 ** math.floor(math.log2(max(abs(x), 2.0**-126))) * torch.finfo(torch.bfloat16).eps
-
-
 def tolerance_for(model, call: Call, ref_ids: list[list[int]]) -> Tolerance:
-    """float32's, or under CPU autocast the bf16 bound (`AUTOCAST_GAPS`, `AUTOCAST_ULPS`) over the call's prompts
+    """float32's, or under CPU autocast the bf16 bound (`testing.rounding.autocast_logit_bound`) over the call's prompts
     and reference completions (the model's own full forward in the region and without autocast), scaled by the
     repetition penalty (which multiplies negative logits)."""
     if not torch.is_autocast_enabled("cpu"):
         return Tolerance()
-    g, largest, gap = call.num_generations, 0.0, 0.0
-    with torch.no_grad():
-        for i in range(0, len(ref_ids), g):
-            for ids in {tuple(r) for r in ref_ids[i: i + g]}:
-                x = torch.tensor([call.prompts[i // g] + list(ids)])
-                half = model(x, use_cache=False).logits.float()
-                with torch.autocast("cpu", enabled=False):
-                    full = model(x, use_cache=False).logits.float()
-                largest, gap = max(largest, full.abs().max().item()), max(gap, (half - full).abs().max().item())
-    scale = call.sampling.repetition_penalty
-    return Tolerance(scale * max(AUTOCAST_GAPS * gap, AUTOCAST_ULPS * bf16_ulp(largest * scale)))
+    g = call.num_generations
+    sequences = {tuple(call.prompts[i // g] + list(ids)) for i, ids in enumerate(ref_ids)}
+    return Tolerance(autocast_logit_bound(model, sequences, call.sampling.repetition_penalty))
 
 
 def _temperatures(sampling: SamplingParams) -> tuple[float, float | None]:

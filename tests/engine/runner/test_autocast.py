@@ -6,12 +6,16 @@
 - Models the engine refused or crashed on under bf16 autocast before run: a Qwen3 at head dim 16 (its q / k norms
   promote Q and K to float32; the C++ float32 kernel then computed a decode attention the model computes in bf16),
   a Cohere2 (its RoPE returns bf16 queries; the static step's cascade handed them to a float32 pool).
-- Greedy output under bf16 / fp16 autocast equals `model.generate` under the same autocast on these tiny models.
-  The forward is deterministic, but 16-bit rounding depends on the order of the sums: the engine attends over a
-  paged context padded to whole blocks (in CPU decode steps split at the prompt and merged, the cascade), `generate`
-  over its exact-length cache (and `generate` of a left-padded batch over a third layout), so a near-tie argmax can
-  flip between them. These models and prompts have no such tie; the
-  rate on more models is measured by `benchmarks/autocast_exactness.py` (benchmarks/RESULTS.md).
+- Greedy output under bf16 / fp16 autocast equals `model.generate` under the same autocast on these tiny models,
+  up to the first near-tie on a sample's path. The forward is deterministic, but 16-bit rounding depends on the order
+  of the sums: the engine attends over a paged context padded to whole blocks (in CPU decode steps split at the
+  prompt and merged, the cascade), `generate` over its exact-length cache (and `generate` of a left-padded batch over
+  a third layout), so a choice between logits within rounding of each other (`testing/rounding.py`; exact bf16 ties
+  are common) can flip between them, and which way depends on the torch release: `llama-d16-s1` has such a step
+  (two logits one bf16 ulp apart under torch 2.6, equal under 2.13). The test compares each sample token for token
+  up to its first near-tie and requires a tied token there. With a 96-token vocabulary about one greedy step in ten
+  is such a near-tie (two logits within 2 bf16 ulps of the largest); each case must compare one sample whole and a
+  third of the tokens; the rate on more models is measured by `benchmarks/autocast_exactness.py` (benchmarks/RESULTS.md).
 - `generate` under another autocast state than the constructor's is a `ValueError`.
 - A refusal names its cause: a model inconsistent only under autocast (and the setting that avoids it), one whose
   forward forces autocast, one that keeps state outside the KV cache either way.
@@ -28,6 +32,7 @@ from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import cpu_decode
 from trl_infinite.engine.model import support
 from trl_infinite.testing.model_matrix import MAX_NEW, G, early_eos, prompts, reference
+from trl_infinite.testing.rounding import autocast_logit_bound, first_near_tie
 from trl_infinite.testing.tiny_configs import build_tiny_model, sizes
 
 BF16 = torch.bfloat16
@@ -58,17 +63,41 @@ def test_pool_dtype_is_the_dtype_attention_computes_in(weights, autocast, pool):
     assert engine.pool.block_bytes == (2 if pool != torch.float32 else 4) * 4 * 2 * 2 * 2 * 8  # B*layers*(K+V)*Hkv*D
 
 
+def _references(model, ps, dtype=BF16):
+    """Under `dtype` autocast: an early EOS, `model.generate`'s greedy samples cut at it, and each sample's first
+    near-tie (`first_near_tie`) at the bound of `testing/rounding.py`."""
+    with _autocast(dtype):
+        eos = early_eos(model, ps)
+        refs = [reference(model, p, eos) for p in ps]
+        assert any(len(r) < MAX_NEW for r in refs), "the EOS must end some sample early"
+        bound = autocast_logit_bound(model, [p + r for p, r in zip(ps, refs)])
+        ties = [first_near_tie(model, p, r, bound) for p, r in zip(ps, refs)]
+    compared = sum(len(r) if t is None else t[0] for r, t in zip(refs, ties))
+    assert None in ties and compared >= sum(map(len, refs)) / 3, f"too many near-ties to test: {ties}"
+    return eos, refs, ties
+
+
+def _assert_greedy_matches(got, refs, ties, where):
+    """Each of the G samples of prompt i equals `refs[i]`, or up to its first near-tie with a tied token there."""
+    for row, ids in enumerate(got):
+        ref, tie = refs[row // G], ties[row // G]
+        if tie is None:
+            assert ids == ref, (where, row)
+        else:
+            step, tied = tie
+            assert ids[:step] == ref[:step] and ids[step] in tied, (where, row, tie)
+
+
 def test_autocast_wrapper_on_forward_is_detected():
     """accelerate's wrapper: no enclosing autocast, yet the forward (the engine's too) runs in bf16 autocast."""
     model = _wrap_forward(build_tiny_model("llama", seed=1, size=sizes(16)))
     ps = prompts(1)
-    eos = early_eos(model, ps)
-    refs = [reference(model, p, eos) for p in ps]
+    eos, refs, ties = _references(model, ps)
     engine = RolloutEngine(model, EngineConfig(max_active_sequences=2, kv_cache_tokens=1024, block_size=5))
     assert engine.autocast is None and engine.support.autocast == BF16 and engine.pool.dtype == BF16
     assert not engine.support.decode_kernel
     got = engine.generate(ps, G, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[eos]))
-    assert got.completion_ids == [r for r in refs for _ in range(G)]
+    _assert_greedy_matches(got.completion_ids, refs, ties, "wrapped forward")
 
 
 # (model type, head dim, seed, autocast dtype): qwen3 at 16 was refused before (float32 kernel under bf16 autocast),
@@ -82,18 +111,15 @@ GREEDY = [("qwen3", 16, 0, BF16), ("llama", 16, 1, BF16), ("cohere2", 8, 0, BF16
 def test_greedy_under_autocast_equals_generate(model_type, head_dim, seed, dtype):
     model = build_tiny_model(model_type, seed=seed, size=sizes(head_dim))
     ps = prompts(seed)
-    sampling_eos = None
-    with _autocast(dtype):
-        sampling_eos = early_eos(model, ps)
-        refs = [reference(model, p, sampling_eos) for p in ps]
-        assert any(len(r) < MAX_NEW for r in refs), "the EOS must end some sample early"
-        sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[sampling_eos])
-        for mode, block in (("fixed_slot", 16), ("full_group", 5)):
+    eos, refs, ties = _references(model, ps, dtype)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_token_ids=[eos])
+    for mode, block in (("fixed_slot", 16), ("full_group", 5)):
+        with _autocast(dtype):
             engine = RolloutEngine(model, EngineConfig(sampling_mode=mode, max_active_sequences=2, block_size=block,
                                                        kv_cache_tokens=1024, max_prefill_tokens=12))
             assert engine.pool.dtype == dtype and not engine.support.decode_kernel
             got = engine.generate(ps, G, sampling).completion_ids
-            assert got == [r for r in refs for _ in range(G)], (mode, block)
+        _assert_greedy_matches(got, refs, ties, (mode, block))
 
 
 def test_attention_backends_get_the_autocast_dtype():
