@@ -3,7 +3,8 @@
 - It builds here (a C++ compiler is needed for inductor's CPU code anyway) and equals the torch reference's
   whole-context attention on rows with partial prompt and own blocks, shared prompts, a padding row, GQA, sliding
   windows, chunks and both together, at head dims of one and two vector widths and with Dv != Dk.
-- The same on longer prompts (several whole vector-width tiles) shared by several rows, cut by windows and chunks.
+- The same on longer prompts (several whole vector-width tiles) shared by several rows, cut by windows and chunks,
+  and on contexts of up to 309 tokens (several blocks of the value pass, odd and even lengths, Dv of 1 to 3 vectors).
 - Where it serves every layer (float32, head dims of the vector width, no soft-cap or sinks in the support probe),
   the static step carries no group slots (no cascade plan, no slot buckets); a soft-capped model keeps them.
 - The model matrix's check (greedy vs `generate`, both sampling modes, block sizes 16 and 5) at head dim 16 passes
@@ -85,6 +86,31 @@ def test_kernel_on_longer_prompts_shared_by_rows(pattern):
     layer = LayerAttention(scale=0.25, sliding_window=pattern[0], chunk_size=pattern[1])
     ref = torch_paged_attention(query, k_cache, v_cache, with_context(meta, (pattern,)), layer)
     got = cpu_decode.paged_decode_attention(query, k_cache, v_cache, pt, st, prompt_lens, positions, B, layer)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dims", [(16, 16), (32, 32), (16, 48)], ids=["d16", "d32", "dk16-dv48"])
+@pytest.mark.parametrize("pattern", [(None, None), (150, None)], ids=["causal", "window"])
+def test_kernel_on_contexts_of_several_value_blocks(dims, pattern):
+    # contexts of 38 to 309 tokens (odd and even, over several of the value pass's blocks of VB keys, the last block
+    # partly filled), each row's own blocks scattered through the pool after a shared 37-token prompt
+    assert cpu_decode.build()
+    gen = torch.Generator().manual_seed(3)
+    block, prompt_blocks, own_blocks = 8, 5, 34
+    positions = torch.tensor([37, 38, 63, 64, 100, 127, 128, 129, 192, 255, 308])
+    num_rows = len(positions)
+    perm = torch.randperm(prompt_blocks + num_rows * own_blocks, generator=gen)
+    pt = perm[:prompt_blocks].expand(num_rows, prompt_blocks).contiguous()
+    st = perm[prompt_blocks:].view(num_rows, own_blocks)
+    prompt_lens = torch.full((num_rows,), 37)
+    k_cache = torch.randn(len(perm) * block, HKV, dims[0], generator=gen)
+    v_cache = torch.randn(len(perm) * block, HKV, dims[1], generator=gen)
+    meta = decode_metadata(positions, prompt_lens, pt, st, torch.zeros(num_rows, dtype=torch.long), block)
+    query = torch.randn(num_rows, H, dims[0], generator=gen)
+    layer = LayerAttention(scale=dims[0] ** -0.5, sliding_window=pattern[0])
+    assert cpu_decode.supports(query, k_cache, v_cache, layer)
+    ref = torch_paged_attention(query, k_cache, v_cache, with_context(meta, (pattern,)), layer)
+    got = cpu_decode.paged_decode_attention(query, k_cache, v_cache, pt, st, prompt_lens, positions, block, layer)
     assert (got - ref).abs().max().item() < 1e-5
 
 
