@@ -4,7 +4,7 @@
   whole-context attention on rows with partial prompt and own blocks, shared prompts, a padding row, GQA, sliding
   windows, chunks and both together, at head dims of one and two vector widths and with Dv != Dk.
 - The same on longer prompts (several whole vector-width tiles) shared by several rows, cut by windows and chunks,
-  and on contexts of up to 309 tokens (several blocks of the value pass, odd and even lengths, Dv of 1 to 3 vectors).
+  and on contexts of up to 309 tokens (odd and even lengths, Dv of one to three vector widths).
 - Where it serves every layer (float32, head dims of the vector width, no soft-cap or sinks in the support probe),
   the static step carries no group slots (no cascade plan, no slot buckets); a soft-capped model keeps them.
 - The model matrix's check (greedy vs `generate`, both sampling modes, block sizes 16 and 5) at head dim 16 passes
@@ -91,9 +91,9 @@ def test_kernel_on_longer_prompts_shared_by_rows(pattern):
 
 @pytest.mark.parametrize("dims", [(16, 16), (32, 32), (16, 48)], ids=["d16", "d32", "dk16-dv48"])
 @pytest.mark.parametrize("pattern", [(None, None), (150, None)], ids=["causal", "window"])
-def test_kernel_on_contexts_of_several_value_blocks(dims, pattern):
-    # contexts of 38 to 309 tokens (odd and even, over several of the value pass's blocks of VB keys, the last block
-    # partly filled), each row's own blocks scattered through the pool after a shared 37-token prompt
+def test_kernel_on_long_contexts(dims, pattern):
+    # contexts of 38 to 309 tokens (odd and even, many vector-width tiles, the last one partly filled), each row's own
+    # blocks scattered through the pool after a shared 37-token prompt
     assert cpu_decode.build()
     gen = torch.Generator().manual_seed(3)
     block, prompt_blocks, own_blocks = 8, 5, 34
