@@ -23,6 +23,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from trl_infinite.engine import SamplingParams  # noqa: E402
 from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer  # noqa: E402
+from trl_infinite.trainer.recompute import no_recompute  # noqa: E402
 
 PROMPTS = [f"what is {i} plus {i + 1} ?" for i in range(16)]
 
@@ -166,7 +167,9 @@ class RecordingTrainer(InfiniteGRPOTrainer):
             prompt = list(prompt_ids[0])
             engine = self._engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, temperature=0.0,
                                                                        eos_token_ids=[]))
-            with torch.no_grad():
+            # without checkpointing, as TRL generates (`unwrap_model_for_generation`): transformers 5.0's `generate`
+            # on a train-mode model that checkpoints drops the KV cache and decodes wrong tokens after the first
+            with torch.no_grad(), no_recompute(model):
                 ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                      pad_token_id=0, synced_gpus=False)[0, len(prompt):].tolist()
             self.record["greedy"].append((list(engine.completion_ids[0]), ref))
