@@ -122,7 +122,11 @@ def tiny_config(model_type: str, size: dict | None = None, **overrides):
                                          "model_type": sub_cls.model_type}
         elif sub_cls is not None and isinstance(sub_cls, type):
             kwargs["text_config"] = _kwargs_for(sub_cls, getattr(sub_cls, "model_type", model_type), size)
-    return config_cls(**kwargs)
+    config = config_cls(**kwargs)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # transformers 5.0: some configs (Phi, StableLM,
+        if not hasattr(config, key):  # JetMoe, EXAONE 4) no longer take them, while their models still read them
+            setattr(config, key, SIZES[key])
+    return config
 
 
 def causal_lm_class(model_type: str):

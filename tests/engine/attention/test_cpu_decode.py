@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 import torch
-from _models import frequent_token, reference_greedy, tiny_model
+from _models import frequent_token, reference_greedy, requires_compile, tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
@@ -140,7 +140,7 @@ def _count_kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled", "off"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=requires_compile), "off"])
 def test_greedy_with_the_kernel_is_token_identical(monkeypatch, mode):
     # head dim 16 (hidden 64 over 4 heads): every layer's decode attention runs the kernel
     model = tiny_model("llama", hidden_size=64)

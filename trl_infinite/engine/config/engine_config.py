@@ -121,12 +121,12 @@ class DecodeConfig(Section):
         if self.compile:
             import torch._dynamo
 
+            # the value first: a bad backend name is named on every torch
+            choice("compile_backend", self.compile_backend, tuple(torch._dynamo.list_backends(exclude_tags=())))
             if not compile_supported():
                 raise ValueError(f"`compile=True` needs torch >= {'.'.join(map(str, COMPILE_MIN_TORCH))} (this is "
                                  f"{torch.__version__}, whose Dynamo cannot trace the decode step); `compile=False` "
                                  "generates the same tokens uncompiled.")
-
-            choice("compile_backend", self.compile_backend, tuple(torch._dynamo.list_backends(exclude_tags=())))
 
 
 @dataclass(frozen=True)
