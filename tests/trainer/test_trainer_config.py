@@ -100,7 +100,7 @@ def test_hybrid_model_falls_back_to_trls_generation(tmp_path, tokenizer, dataset
     from trl_infinite.trainer import InfiniteGRPOTrainer
 
     model = build_tiny_model("mamba", vocab_size=len(tokenizer))
-    # the feature as the installed transformers builds it: `linear_attention` layers (5.17+) or stateful mixers (5.0)
+    # the feature as the installed transformers builds it: `linear_attention` layers (5.24) or stateful mixers (5.0)
     feature = "(linear_attention|stateful non-attention mixers)"
     with pytest.warns(UserWarning, match=f"TRL's own path.*`mamba`.*{feature}.*use_vllm=True"):
         trainer = InfiniteGRPOTrainer(model=model, reward_funcs=token_sum_reward, args=cpu_args(tmp_path),

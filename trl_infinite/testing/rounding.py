@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 import torch
 
-# the bound: this many times the largest gap between the model's own bf16 and float32 logits on the inputs (each path
-# rounds about as much as that forward), and at least this many bf16 ulps of the largest logit
+# the bound: this many times the largest gap between the model's own 16-bit and float32 logits on the inputs (each
+# path rounds about as much as that forward), and at least this many ulps (of the region's dtype) of the largest logit
 AUTOCAST_GAPS = 2
 AUTOCAST_ULPS = 2
 

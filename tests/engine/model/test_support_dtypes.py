@@ -45,7 +45,7 @@ SERVED = {
     "llama4_temperature": lambda: build_tiny_model("llama4_text", no_rope_layers=[0, 1], floor_scale=4,
                                                    attn_scale=2.0),
 }
-# refused in float32 (transformers 5.17: roberta numbers positions from 2, the others ignore `position_ids`; 5.0: their
+# refused in float32 (transformers 5.24: roberta numbers positions from 2, the others ignore `position_ids`; 5.0: their
 # layers drop the attention kwargs). blenderbot-small and plbart were once served with bf16 weights and under bf16
 # autocast by the old fixed 16-bit tolerance (their positions come from the input length, not `position_ids`)
 REFUSED = ("roberta", "bart", "blenderbot-small", "plbart")

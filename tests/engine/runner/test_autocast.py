@@ -15,7 +15,8 @@
   (two logits one bf16 ulp apart under torch 2.6, equal under 2.13). The test compares each sample token for token
   up to its first near-tie and requires a tied token there. With a 96-token vocabulary about one greedy step in ten
   is such a near-tie (two logits within 2 bf16 ulps of the largest); each case must compare one sample whole and a
-  third of the tokens; the rate on more models is measured by `benchmarks/autocast_exactness.py` (benchmarks/RESULTS.md).
+  third of the tokens; the rate on more models is measured by `benchmarks/autocast_exactness.py`
+  (benchmarks/RESULTS.md).
 - `generate` under another autocast state than the constructor's is a `ValueError`.
 - A refusal names its cause: a model inconsistent only under autocast (and the setting that avoids it), one whose
   forward forces autocast, one that keeps state outside the KV cache either way.
@@ -65,7 +66,8 @@ def test_pool_dtype_is_the_dtype_attention_computes_in(weights, autocast, pool):
 
 def _references(model, ps, dtype=BF16):
     """Under `dtype` autocast: an early EOS, `model.generate`'s greedy samples cut at it, and each sample's first
-    near-tie (`first_near_tie`) at the bound of `testing/rounding.py`."""
+    near-tie (`first_near_tie`) at the bound of `testing/rounding.py` (for a forward wrapped in autocast, whose
+    float32 logits cannot be had, the bound's floor of ulps of the largest logit)."""
     with _autocast(dtype):
         eos = early_eos(model, ps)
         refs = [reference(model, p, eos) for p in ps]
