@@ -34,6 +34,7 @@ from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from trl_infinite.testing.routing import kwargs_reach_attention
 from trl_infinite.testing.tiny_configs import build_tiny_model
 from trl_infinite.trainer import InfiniteGRPOConfig, InfiniteGRPOTrainer
 
@@ -171,8 +172,19 @@ def run_trainer(case: Case, cls, model, tmp: Path, tokenizer, generate) -> Run:
     return Run(trainer, capture, logps, [str(w.message) for w in caught], old_logps)
 
 
+def engine_refuses(case: Case, model: torch.nn.Module) -> bool:
+    """The engine's contract must refuse the case's model: its family is one it refuses, or the installed
+    transformers does not route the model's attention kwargs (`testing/routing.py`: GPT-2, GPT-J, GPTBigCode on
+    transformers 5.0); checked on a copy, with the random state restored."""
+    if FAMILIES[case.family].refused == "engine":
+        return True
+    with torch.random.fork_rng():
+        return not kwargs_reach_attention(copy.deepcopy(model).eval())
+
+
 def run_case(case: Case, tmp: Path, tokenizer) -> None:
     model = build_model(case, tmp)
+    refused = engine_refuses(case, model)
     initial = copy.deepcopy(model)
     if case.rollout == "fixed":
         max_len = case.args["max_completion_length"]
@@ -212,14 +224,14 @@ def run_case(case: Case, tmp: Path, tokenizer) -> None:
         multiple = case.args.get("pad_to_multiple_of")
         check_sampling_logps(sampled, ours, FAMILIES[case.family].absolute_positions,
                              multiple if isinstance(multiple, int) else 1)
-    check_contracts(case, ours)
+    check_contracts(case, ours, refused)
     compare(ours, ref)
 
 
-def check_contracts(case: Case, ours: Run) -> None:
+def check_contracts(case: Case, ours: Run, refused: bool) -> None:
     """A refused model falls back with a warning; the shared-prefix forward is used or refused with a warning."""
     trainer = ours.trainer
-    if FAMILIES[case.family].refused == "engine":
+    if refused and case.rollout == "engine":
         assert trainer.engine_fallback_reasons, "a model the engine refuses ran on the engine"
         assert any("instead of the rollout engine" in w for w in ours.warnings), ours.warnings
     elif case.rollout == "engine":

@@ -5,11 +5,17 @@ weights are resharded after it, and training matches the same run under DDP.
 accelerate runs FSDP on accelerators only; the worker (`fsdp_worker.py`) puts accelerate's FSDP state back on CPU
 processes, so the model is wrapped by accelerate's own FSDP code from the usual launch flags.
 
-Tolerance: the parameters after each step equal DDP's within 1e-6 absolute (float32; FSDP reduce-scatters the
-gradients where DDP all-reduces them, so the sums may round differently; measured: at most 1.2e-7, for a step that
-moves parameters by up to 0.05).
+Tolerance: the parameters after each step equal DDP's within 1e-5 absolute (float32; FSDP reduce-scatters the
+gradients where DDP all-reduces them, so the sums may round differently, and AdamW's first steps, `g / (|g| + eps)`,
+magnify a rounding difference in a gradient near zero; measured: at most 1.2e-7 on torch 2.13, 1.7e-6 on torch 2.6
+(FSDP1), for steps that move parameters by up to 0.05, 5,000 times the tolerance).
+
+FSDP2 needs a torch whose `fully_shard` takes every argument the installed accelerate passes (accelerate 1.11 passes
+`ignored_params`, which torch 2.6's lacks: FSDP2 does not start on that pair, whatever the trainer); its cases are
+skipped, naming both releases, where it does not.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -43,11 +49,29 @@ def launch(mode: str, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+def fsdp2_unavailable() -> str | None:
+    """Why accelerate's FSDP2 cannot start with the installed accelerate and torch, or None: the arguments
+    accelerate's `fsdp2_prepare_model` passes to `fully_shard` that the installed `fully_shard` does not take."""
+    import accelerate
+    from accelerate.utils import fsdp_utils
+    from torch.distributed.fsdp import fully_shard
+
+    source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    takes = inspect.signature(fully_shard).parameters
+    missing = [name for name in ("ignored_params", "dp_mesh_dims") if f'"{name}"' in source and name not in takes]
+    if not missing:
+        return None
+    return (f"accelerate {accelerate.__version__} passes `fully_shard` {missing}, which torch {torch.__version__}'s "
+            f"`fully_shard` does not take: FSDP2 cannot start on this pair")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cache: dict[str, list[dict]] = {}
 
     def get(mode: str) -> list[dict]:
+        if mode.startswith("fsdp2") and (why := fsdp2_unavailable()):
+            pytest.skip(why)
         if mode not in cache:
             cache[mode] = launch(mode, tmp_path_factory.mktemp(mode.replace("+", "_")))
         return cache[mode]
@@ -106,7 +130,7 @@ def test_the_rollout_gathers_then_builds_the_pool_then_releases_it_then_reshards
 
 @pytest.mark.parametrize("mode", SHARDED)
 def test_training_matches_ddp(runs, mode):
-    """Every parameter after each of the two steps equals the DDP run's within 1e-6 (module docstring), on both
+    """Every parameter after each of the two steps equals the DDP run's within 1e-5 (module docstring), on both
     processes, and the steps moved them."""
     ddp = runs("ddp+lora" if mode.endswith("+lora") else "ddp")[0]
     for r in runs(mode):
@@ -114,7 +138,7 @@ def test_training_matches_ddp(runs, mode):
         for step, (got, want) in enumerate(zip(r["steps"], ddp["steps"])):
             assert got.keys() == want.keys()
             for name in want:
-                torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"step {step}: {name}")
+                torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=f"step {step}: {name}")
         moved = [name for name in ddp["steps"][0] if not torch.equal(ddp["steps"][0][name], ddp["steps"][1][name])]
         assert moved
 

@@ -27,6 +27,7 @@ from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import LayerAttention, cpu_decode, decode_metadata, with_context
 from trl_infinite.engine.attention.torch_backend import torch_paged_attention
 from trl_infinite.testing.model_matrix import check_model, main
+from trl_infinite.testing.routing import kwargs_reach_attention
 from trl_infinite.testing.tiny_configs import SIZES, build_tiny_model, sizes
 
 pytestmark = pytest.mark.skipif(shutil.which("ninja") is None, reason="building the kernel needs ninja on PATH "
@@ -194,6 +195,8 @@ def test_greedy_with_several_prompts_and_no_group_slots():
 def test_model_matrix_at_head_dim_16_runs_the_kernel(monkeypatch, model_type):
     # tiny configs: sliding window 6 where the type has one, attention chunk 5 (llama4), MQA (gpt_bigcode)
     assert sizes(8) == SIZES  # the default matrix is unchanged
+    if not kwargs_reach_attention(build_tiny_model(model_type)):  # the engine's precondition (`testing/routing.py`)
+        pytest.skip(f"the installed transformers does not route `{model_type}`'s attention kwargs")
     calls = _count_kernel_calls(monkeypatch)
     row = check_model(model_type, head_dim=16)
     assert row.verdict == "token-identical", row.detail
