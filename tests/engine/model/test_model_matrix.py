@@ -90,8 +90,9 @@ def assert_meets_the_contract(model) -> str:
     return "token-identical"
 
 
-# the release the lists were made with: on it every listed type must build tiny; an older one may lack what a tiny
-# config needs (5.0: Apertus initialises on the meta device, DBRX's sub-configs refuse the shared config keys)
+# the newest release the lists were checked on: there and after, every listed type must build tiny; an older one may
+# lack what a tiny config needs (5.0: Apertus initialises on the meta device, DBRX's sub-configs refuse the shared
+# config keys)
 LISTED_ON = (5, 24)
 
 
