@@ -26,7 +26,7 @@ def _recording(module, query, key, value, attention_mask, **kwargs):
     matter here; the model's other kwargs, soft-caps, sinks, scales, are ignored)."""
     _seen.append(kwargs.get(_MARKER) is True)
     groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)[..., :key.shape[-1]]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     mask = attention_mask[..., -key.shape[2]:] if attention_mask is not None else None
     out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask,
                                          is_causal=mask is None and query.shape[2] > 1)
@@ -48,6 +48,8 @@ def kwargs_reach_attention(model: torch.nn.Module, num_tokens: int = 6) -> bool:
     try:
         with attention_implementation(model, _NAME):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **{_MARKER: True})
-    except TypeError:  # a forward without `**kwargs`
+    except TypeError as exc:  # a forward without `**kwargs` refuses the marker
+        if _MARKER not in str(exc):
+            raise
         return False
     return len(_seen) >= layers and all(_seen)
