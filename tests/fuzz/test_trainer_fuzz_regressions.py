@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import pytest
 from _fuzz_trainer import EOS, Case
-from _fuzz_trainer_run import build_model, run_case
+from _fuzz_trainer_run import build_model, engine_refuses, run_case
 from _models import tiny_tokenizer
-
-from trl_infinite.testing.routing import kwargs_reach_attention
 
 ARGS = dict(
     loss_type="grpo", num_generations=2, per_device_train_batch_size=4, steps_per_generation=1,
@@ -222,6 +220,6 @@ def test_engine_rollout_of_a_row_padded_to_a_multiple_with_learned_positions(tmp
 def run_engine_case(case: Case, tmp_path) -> None:
     """A regression of the engine's rollout of the case's model: skipped, named, where the installed transformers does
     not route that model's attention kwargs (the engine then refuses it, and the case would test TRL's fallback)."""
-    if not kwargs_reach_attention(build_model(case, tmp_path).eval()):
+    if engine_refuses(case, build_model(case, tmp_path)):
         pytest.skip(f"the installed transformers does not route `{case.family}`'s attention kwargs")
     run_case(case, tmp_path, tiny_tokenizer())

@@ -17,6 +17,7 @@ skipped, naming both releases, where it does not.
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +52,17 @@ def launch(mode: str, out: Path) -> list[dict]:
 
 def fsdp2_unavailable() -> str | None:
     """Why accelerate's FSDP2 cannot start with the installed accelerate and torch, or None: the arguments
-    accelerate's `fsdp2_prepare_model` passes to `fully_shard` that the installed `fully_shard` does not take."""
+    accelerate's `fsdp2_prepare_model` always passes to `fully_shard` (the keys of its `fsdp2_kwargs` literal; later
+    accelerate releases add `ignored_params` only on a torch that takes it) that the installed `fully_shard` does not
+    take."""
     import accelerate
     from accelerate.utils import fsdp_utils
     from torch.distributed.fsdp import fully_shard
 
-    source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    literal = re.search(r"fsdp2_kwargs = \{(.*?)\n\s*\}", inspect.getsource(fsdp_utils.fsdp2_prepare_model), re.S)
+    passed = re.findall(r'^\s*"(\w+)":', literal.group(1), re.M) if literal else []
     takes = inspect.signature(fully_shard).parameters
-    missing = [name for name in ("ignored_params", "dp_mesh_dims") if f'"{name}"' in source and name not in takes]
+    missing = [name for name in passed if name not in takes]
     if not missing:
         return None
     return (f"accelerate {accelerate.__version__} passes `fully_shard` {missing}, which torch {torch.__version__}'s "

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.testing.model_matrix import (
@@ -100,7 +101,7 @@ def build_or_skip(model_type: str) -> torch.nn.Module:
     try:
         return build_tiny_model(model_type)
     except (ValueError, NotImplementedError) as exc:
-        if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= LISTED_ON:
+        if Version(transformers.__version__).release[:2] >= LISTED_ON:
             raise
         pytest.skip(f"transformers {transformers.__version__} cannot build a tiny `{model_type}`: {exc}"[:300])
 
