@@ -33,7 +33,7 @@ from trl_infinite.engine import EngineConfig, RolloutEngine, RolloutResult, Samp
 from trl_infinite.engine.config.logits import GenerationProcessors
 from trl_infinite.engine.decode.cpu_graphs import emulate_cuda_graphs
 from trl_infinite.engine.runner.autocast import uncached_casts
-from trl_infinite.engine.runner.sampler import Sampler, categorical, row_keys, seen_mask
+from trl_infinite.engine.runner.sampler import Sampler, categorical, row_keys, seen_mask, uniform64
 from trl_infinite.engine.sched.block_manager import blocks_for
 from trl_infinite.engine.spec_decode import decoupled
 from trl_infinite.engine.spec_decode.plan import COUPLED, DECOUPLED, Plan
@@ -282,11 +282,36 @@ def admissible_rows(model, context: list[int], prompt_len: int, sampling: Sampli
     return _process(model, logits + torch.cat([bumps, *grids]), context, prompt_len, sampling).double()
 
 
+def _uncut(sampling: SamplingParams) -> bool:
+    """No top-k / top-p / min-p cut and no extra processor: each token's processed log-prob is a continuous function
+    of the logits."""
+    return sampling.top_k == 0 and sampling.top_p == 1.0 and sampling.min_p == 0.0 and not sampling.generation_kwargs
+
+
+def _drawn_somewhere(model, context: list[int], prompt_len: int, sampling: SamplingParams, tol: Tolerance,
+                     token: int, u: float) -> bool:
+    """Whether the inverse-CDF draw at uniform `u` gives `token` from some logits within the bound of the model's
+    (`sampling` `_uncut`). The draw gives `token` where CDF(token - 1) <= u < CDF(token). Over the bound's box of
+    logits the least CDF(token - 1) is at the tokens before it lowered and the rest raised, the most CDF(token) at the
+    tokens up to it raised and the rest lowered; along the segment between the two (inside the box) both ends of the
+    token's interval move continuously and the interval is never empty, so every `u` from that least to that most is
+    drawn as `token` at some point of it. The extreme rows alone (`admissible_rows`) draw a rare token only where `u`
+    falls in its own narrow interval there, so a path whose logits lie between them could draw it unseen."""
+    logits = _model_logits(model, context)
+    delta, ids = _logit_bound(logits, tol), torch.arange(logits.shape[-1])
+    low = logits + delta * torch.where(ids < token, -1.0, 1.0)
+    high = logits + delta * torch.where(ids <= token, 1.0, -1.0)
+    probs = _process(model, torch.cat([low, high]), context, prompt_len, sampling).double().exp()
+    probs = probs / probs.sum(-1, keepdim=True)
+    return probs[0, :token].sum().item() <= u < probs[1, : token + 1].sum().item()
+
+
 def is_tie(model, prompt: list[int], done: list[int], a: int, b: int, sampling: SamplingParams, group: int,
            sample: int, tol: Tolerance = Tolerance()) -> bool:
     """Whether tokens `a` and `b` are both the right choice after `prompt + done` up to rounding (float32, or under
     autocast `tol.bf16`): an argmax between logits within rounding, or the sampler's own draw (its uniform) giving `a`
-    from one admissible row and `b` from another (`admissible_rows`: a uniform at a CDF boundary, a token at a cut)."""
+    from one admissible row and `b` from another (`admissible_rows`: a uniform at a CDF boundary, a token at a cut),
+    or, without a cut, from logits between the rows (`_drawn_somewhere`)."""
     rows = admissible_rows(model, prompt + done, len(prompt), sampling, tol)
     row = rows[0]
     if sampling.greedy:
@@ -296,6 +321,9 @@ def is_tie(model, prompt: list[int], done: list[int], a: int, b: int, sampling: 
                    torch.tensor([len(prompt) + len(done)]))
     choices = set(categorical(rows.float(), key.expand(len(rows))).tolist())  # the sampler's own draw, each row
     if a in choices and b in choices:
+        return True
+    if _uncut(sampling) and all(_drawn_somewhere(model, prompt + done, len(prompt), sampling, tol, token,
+                                                 uniform64(key).item()) for token in (a, b)):
         return True
     # a cut and a draw both moved: each support, with the draw's extremes on the untruncated rows
     uncut, supports = _supports(model, prompt + done, len(prompt), sampling, tol, rows)
