@@ -274,6 +274,7 @@ class RolloutEngine:
         """The engine's executor factory (`call.py`): the model executor of `call`."""
         sampler = Sampler(sampling, processors)
         decoder = None if sampler.has_extra_processors else self.decoder  # extra processors: the eager step
+        self.runner.refresh_rows()  # the row counts this call's forwards run at, for the current thread count
         ctx = StepContext(self.runner, sampler, sampling.seed, call.stats, self.config.max_prefill_tokens, decoder,
                           call.hidden_predictor)
         if decoder is not None:

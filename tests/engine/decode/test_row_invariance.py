@@ -2,16 +2,20 @@
 
 The promise "a seed's samples are the same with and without speculation, in every sampling mode and schedule" rests
 on it: at temperature 1 a near-tie of the inverse CDF flips on the last bit of a logit (issue #40: SmolLM2-135M, 2
-to 8 of 64 samples changed by speculation before this). `model_runner.ROW_MULTIPLE` gives every CPU forward a
-multiple of 4 rows; the verification forward runs its query tokens as decode rows (`spec_decode/step.py`).
+to 8 of 64 samples changed by speculation before this). Each runner derives on the machine the row counts its BLAS
+gives a row the same bits at (`runner/row_plan.py`); the verification forward runs its query tokens as decode rows
+(`spec_decode/step.py`).
 
-- This machine's BLAS: a Linear's row is bit-identical at every row count that is a multiple of `ROW_MULTIPLE`
-  (1 and 2 threads, the tiny models' and SmolLM2-135M's shapes), and is not at some other counts (so the padding is
-  what makes the engine row-invariant, and this test notices a BLAS where it would be unnecessary or insufficient).
-- Engine paths on a tiny Llama whose attention the C++ decode kernel serves: the logits of a sample's positions are
-  bit-identical through the plain decode step at 1..9 rows, through the static step's forward, through one
-  verification forward of all positions (the speculative step's segments), and inside a verification forward of
-  several samples; the first token's logits (prefill) are the same with 1, 2 or 3 prompts in the forward.
+- The plan derived on this machine, at 1 and 2 threads, for the tiny models' and SmolLM2-135M's shapes: through the
+  plan (padding to its multiple, chunks past each product's cap) a row is bit-identical at every row count from 1
+  to past the probe's limit.
+- The probe itself, on products whose rows change with the count in known ways (a stand-in BLAS): it finds the
+  multiple and the cap that avoid the change, and warns and falls back where no candidate works.
+- Engine paths on a tiny Llama and on a 2-layer Llama of SmolLM2-135M's shapes, whose attention the C++ decode kernel
+  serves: the logits of a sample's positions are bit-identical through the plain decode step at 1..9, 16, 24 and 64
+  rows, through the static step's forward (buckets of 8 and 64 rows), through one verification forward of all
+  positions (the speculative step's segments), and inside a verification forward of several samples; the first
+  token's logits (prefill) are the same alone and beside a 100-token prompt.
 """
 
 from __future__ import annotations
@@ -20,58 +24,131 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _models import tiny_model
 
 from trl_infinite import EngineConfig, RolloutEngine
 from trl_infinite.engine.attention import Segment, cpu_decode, decode_metadata
-from trl_infinite.engine.runner.model_runner import ROW_MULTIPLE
+from trl_infinite.engine.runner import row_plan
+from trl_infinite.engine.runner.model_runner import padded_count
+from trl_infinite.engine.runner.row_plan import derive_plan
 from trl_infinite.engine.spec_decode.step import _as_decode_rows
 
 SHAPES = [(64, 64), (64, 1000), (576, 192), (1536, 576), (576, 49152)]  # tiny Llama's, SmolLM2-135M's
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               vocab_size=49152, num_hidden_layers=2, tie_word_embeddings=True)
 
 
+@torch.no_grad()
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear_rows_are_invariant_at_multiples_of_row_multiple(shape, threads):
-    gen = torch.Generator().manual_seed(0)
+def test_rows_are_invariant_at_every_count_through_the_derived_plan(shape, threads):
     k, n = shape
-    w = torch.randn(n, k, generator=gen) / k**0.5
-    x = torch.randn(40, k, generator=gen)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=False)
+    most = 130 if k * n > 2**24 else 300  # past the probe's limit for the small shapes: their chunks run too
+    x = torch.randn(most, k, generator=torch.Generator().manual_seed(1))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ref = F.linear(x, w)
-        for m in range(ROW_MULTIPLE, 41, ROW_MULTIPLE):
-            assert torch.equal(F.linear(x[:m], w), ref[:m]), f"{m} rows"
-        # without the padding rows would differ: one row (matrix-vector) is not what 4+ rows compute
-        assert not torch.equal(F.linear(x[:1], w), ref[:1])
+        plan = derive_plan(torch.nn.Sequential(linear))
+        assert plan.row_invariant and plan.threads == threads
+        m = plan.multiple
+        padded = torch.cat([x, x[: m - 1]]) if m > 1 else x
+
+        def rows(count):  # what the engine computes for the first `count` rows: padded, through the plan
+            c = padded_count(count, m)
+            with plan.split(c):
+                return linear(padded[:c])[:count]
+
+        ref = rows(most)
+        for count in [1, *range(m, most + 1, m)]:  # every count the engine can issue (others pad to these)
+            assert torch.equal(rows(count), ref[:count]), f"{count} rows (multiple {m}, cap {plan.capped[0][1]})"
     finally:
         torch.set_num_threads(before)
+
+
+class _CountDependent(torch.nn.Linear):
+    """A stand-in BLAS: a product each row of which is one reduction of its own (the same bits at any row count),
+    plus one part in 1e6 on the rows where `differs(rows, position)` says so."""
+
+    def __init__(self, differs):
+        super().__init__(16, 8, bias=False)
+        self.differs = differs
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        out = (flat[:, None, :] * self.weight[None]).sum(-1)
+        bump = torch.tensor([1e-6 if self.differs(flat.shape[0], i) else 0.0 for i in range(flat.shape[0])])
+        return (out * (1 + bump[:, None])).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("differs, multiple, cap", [
+    (lambda rows, i: False, 1, row_plan.MAX_PROBE_ROWS),  # every count the same (MKL_CBWR=AUTO,STRICT)
+    (lambda rows, i: rows % 8 != 0, 8, row_plan.MAX_PROBE_ROWS),  # another kernel where the count is not a multiple of 8
+    (lambda rows, i: rows < 16, 16, row_plan.MAX_PROBE_ROWS),  # few rows: a narrower kernel
+    (lambda rows, i: rows < 4 or 40 < rows < 200, 4, 40),  # from 4 rows on, another split between 41 and 199 rows
+    (lambda rows, i: rows % 2 or 64 < rows, 2, 64),  # odd counts, and past 64 rows another split
+], ids=["none", "mod8", "few", "band", "odd-and-many"])
+def test_probe_finds_the_multiple_and_cap(differs, multiple, cap):
+    row_plan._PROBED.clear()
+    plan = derive_plan(torch.nn.Sequential(_CountDependent(differs)))
+    assert plan.row_invariant and plan.multiple == multiple and plan.capped[0][1] == cap
+    # and the plan's own computation of any count agrees with the rows computed `multiple` at a time
+    module, x = plan.capped[0][0], torch.randn(300, 16)
+    alone = torch.cat([module(x[i:i + multiple]) for i in range(0, 300, multiple)])
+    for count in range(multiple, 301, multiple):
+        with plan.split(count):
+            assert torch.equal(module(x[:count]), alone[:count]), count
+
+
+def test_probe_warns_and_falls_back_where_no_multiple_works():
+    row_plan._PROBED.clear()
+    position = _CountDependent(lambda rows, i: i == 0)  # the first row of every product: no count helps
+    with pytest.warns(UserWarning, match="other bits at other row counts"):
+        plan = derive_plan(torch.nn.Sequential(position))
+    assert not plan.row_invariant and plan.multiple == row_plan.FALLBACK_MULTIPLE and plan.capped == ()
+
+
+def test_split_restores_the_forward_it_found():
+    row_plan._PROBED.clear()
+    linear = torch.nn.Linear(16, 8)
+    hooked = []
+    linear.forward = lambda x, own=linear.forward: hooked.append(x.shape[0]) or own(x)  # as accelerate's hooks do
+    wrapper = linear.forward
+    plan = row_plan.RowPlan(1, torch.get_num_threads(), ((linear, 4),))
+    with plan.split(10):
+        out = linear(torch.ones(10, 16))
+    assert out.shape == (10, 8) and hooked == [4, 4, 2] and linear.forward is wrapper
+    plain = torch.nn.Linear(16, 8)
+    with row_plan.RowPlan(1, 1, ((plain, 4),)).split(10):
+        assert "forward" in plain.__dict__
+    assert "forward" not in plain.__dict__
 
 
 P, K, BLOCK = 13, 6, 4
 
 
-def _runner():
+def _runner(shapes):
     if shutil.which("ninja") is None:
         pytest.skip("the CPU decode kernel needs ninja to build")
-    model = tiny_model("llama", hidden_size=64, vocab_size=1000)  # head dim 16: the C++ decode kernel serves
+    model = tiny_model("llama", **shapes)  # head dim 16 / 64: the C++ decode kernel serves
     engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=1024, block_size=BLOCK))
     engine.pool.open(200)
     runner = engine.runner
-    assert runner.row_multiple == ROW_MULTIPLE and runner.decode_kernel_everywhere and cpu_decode.build()
+    assert runner.row_plan.row_invariant and runner.decode_kernel_everywhere and cpu_decode.build()
     return runner
 
 
 @torch.no_grad()
-def test_decode_verify_and_row_counts_give_bit_identical_logits():
-    runner = _runner()
+@pytest.mark.parametrize("shapes", [dict(hidden_size=64, vocab_size=1000), SMOLLM2], ids=["tiny", "smollm2"])
+def test_decode_verify_and_row_counts_give_bit_identical_logits(shapes):
+    runner = _runner(shapes)
+    vocab = shapes["vocab_size"]
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, 1000, (P,), generator=gen).tolist()
-    cont = torch.randint(3, 1000, (K,), generator=gen).tolist()
+    prompt = torch.randint(3, vocab, (P,), generator=gen).tolist()
+    cont = torch.randint(3, vocab, (K,), generator=gen).tolist()
     prompt_blocks = [1, 2, 3, 4]
-    own = [[10 + 2 * r, 11 + 2 * r] for r in range(9)]  # nine samples with the same tokens, own blocks each
+    own = [[10 + 2 * r, 11 + 2 * r] for r in range(64)]  # 64 samples with the same tokens, own blocks each
 
     def fwd(segments, rows):
         return runner.forward(segments, torch.as_tensor(rows))[0]
@@ -81,16 +158,16 @@ def test_decode_verify_and_row_counts_give_bit_identical_logits():
         fwd(_as_decode_rows([Segment(P, prompt_blocks, blocks, P, cont)]), range(K))
     # the plain decode step at 1 row, position by position
     decode = torch.stack([fwd([Segment(P, prompt_blocks, own[0], P + j, [cont[j]])], [0])[0] for j in range(K)])
-    for n in range(2, 10):  # ... at n rows: row 0 and row n-1
+    for n in [*range(2, 10), 16, 24, 64]:  # ... at n rows (past the BLAS's kernel switches): row 0 and row n-1
         for j in range(K):
             out = fwd([Segment(P, prompt_blocks, own[r], P + j, [cont[j]]) for r in range(n)], range(n))
             assert torch.equal(out[0], decode[j]) and torch.equal(out[n - 1], decode[j]), (n, j)
     # the static step's forward (decode metadata from device tables, rows padded to a bucket)
-    for j in range(K):
-        rows = 8
-        meta = decode_metadata(torch.full((rows,), P + j), torch.full((rows,), P),
-                               torch.tensor([prompt_blocks] * rows), torch.tensor(own[:rows]), torch.zeros(rows, dtype=torch.long),
-                               BLOCK)
+    for j, bucket in zip(range(K), [8, 64] * K):
+        rows = padded_count(bucket, runner.row_multiple)  # a bucket of the static step
+        meta = decode_metadata(torch.full((rows,), P + j), torch.full((rows,), P), torch.tensor([prompt_blocks] * rows),
+                               torch.tensor([own[r % len(own)] for r in range(rows)]),
+                               torch.zeros(rows, dtype=torch.long), BLOCK)
         with runner.routed():
             static = runner.run(torch.full((1, rows), cont[j]), torch.full((1, rows), P + j), meta, 0)[0]
         assert torch.equal(static[3], decode[j]), j
@@ -101,12 +178,12 @@ def test_decode_verify_and_row_counts_give_bit_identical_logits():
                                Segment(P, prompt_blocks, own[4], P + 2, cont[2:5])])
     out = fwd(several, range(len(several)))
     assert torch.equal(out[:3], decode[:3]) and torch.equal(out[3:9], decode) and torch.equal(out[9:], decode[2:5])
-    # the multi-query forward the verification ran before (one segment of K tokens) does differ on this model,
+    # the multi-query forward the verification ran before (one segment of K tokens) does differ on the tiny model,
     # which is why verification runs decode rows
     multi = fwd([Segment(P, prompt_blocks, own[5], P, cont)], range(K))
-    assert not torch.equal(multi, decode)
-    # prefill: the first token's logits with 1, 2 or 3 prompts in the forward
-    other = torch.randint(3, 1000, (2 * P + 3,), generator=gen).tolist()
-    pair = fwd([Segment(P, prompt_blocks, [], 0, prompt), Segment(len(other), [30, 31, 32, 33, 34, 35, 36, 37], [], 0,
-                                                                 other)], [P - 1, P + len(other) - 1])
+    assert vocab != 1000 or not torch.equal(multi, decode)
+    # prefill: the first token's logits with 1 or 2 prompts in the forward
+    other = torch.randint(3, vocab, (100,), generator=gen).tolist()  # past the kernel switches too
+    pair = fwd([Segment(P, prompt_blocks, [], 0, prompt), Segment(len(other), list(range(150, 175)), [], 0, other)],
+               [P - 1, P + len(other) - 1])
     assert torch.equal(pair[0], first[0])

@@ -1,7 +1,7 @@
 """The static decode step: one token per running sample through fixed-shape device state, sampled in the same region.
 
 `DecodeRows` holds the batch on the device; a step pads it to a bucket of rows (`bucket_sizes`; on CPU multiples of
-4, so that a row's logits do not depend on the batch size: `model_runner.ROW_MULTIPLE`) and runs
+`ModelRunner.row_multiple`, so that a row's logits do not depend on the batch size: `runner/row_plan.py`) and runs
 `StaticDecoder._step` over fixed shapes: metadata from the persistent tables, the model forward, the logits
 processors and the inverse-CDF draw. Nothing in `_step` reads device data on the host, so it runs
 - eagerly (the default off CUDA),
@@ -40,13 +40,13 @@ from trl_infinite.engine.sched.batch import ScheduledBatch
 
 def bucket_sizes(capacity: int, multiple: int = 1) -> list[int]:
     """Padded batch sizes: 1, 2, 4, 8, then multiples of 8 up to 64, of 16 up to 256, of 32 beyond; `capacity` last.
-    With `multiple` (a power of two up to 8; `ModelRunner.row_multiple`, 4 on CPU) only multiples of it: the sizes
-    below `multiple` are dropped and `capacity` is rounded up to one."""
+    With `multiple` (a power of two; `ModelRunner.row_multiple`, derived on CPU) only multiples of it: the sizes
+    below `multiple` are dropped, the steps are at least `multiple`, and `capacity` is rounded up to one."""
     capacity = padded_count(capacity, multiple)
     sizes, n = [], multiple
     while n < capacity:
         sizes.append(n)
-        n = n * 2 if n < 8 else n + (8 if n < 64 else 16 if n < 256 else 32)
+        n = n * 2 if n < 8 else n + max(multiple, 8 if n < 64 else 16 if n < 256 else 32)
     return sizes + [capacity]
 
 

@@ -114,7 +114,8 @@ def build_runner(model: torch.nn.Module, config: EngineConfig, support: ModelSup
     pool = KVCachePool(support.kv, config, dtype=support.kv_dtype, device=next(model.parameters()).device,
                        **pool_options)
     return ModelRunner(model, pool, support.attention_backend or decode.attention_backend, support.layers,
-                       cpu_decode_kernel=support.decode_kernel, capture_models=support.capture_models)
+                       cpu_decode_kernel=support.decode_kernel, capture_models=support.capture_models,
+                       autocast=support.autocast)
 
 
 def _auto_is_triton(attention_backend: str, device: torch.device) -> bool:

@@ -1,21 +1,23 @@
 """Runs a Hugging Face causal LM over the paged KV pool: packed host-built segments, or a static decode batch.
 
-Row-count invariance on CPU (`ROW_MULTIPLE`): a row's logits must not depend on how many rows share its forward, or
-a seed's samples would change with the schedule (a tail batch of 1-3 rows) and with speculation (a verification
-forward of another row count than the plain step), since at temperature 1 a near-tie of the inverse CDF flips on the
-last bit. CPU BLAS (MKL here) multiplies a matrix of 1-3 rows by another kernel (matrix-vector, or a narrower
-micro-kernel) than 4+ rows, and, with several threads, rows past the last multiple of 4 of a thread's share by a
-remainder kernel: measured on this machine's MKL (AVX512, 1-16 threads, every Linear shape of SmolLM2-135M and of
-the tiny test models, 1 to 260 rows), a row's product is bit-identical whatever the row count whenever the count is
-a multiple of 4 (`tests/engine/decode/test_row_invariance.py` pins it). So on CPU every forward runs a multiple of 4 rows:
-`forward` adds one-token padding segments that write the pool's null block, and the logits kept (`logits_to_keep`)
-are padded the same way; the static decode step pads its rows to buckets that are multiples of 4
-(`decode.static.bucket_sizes`). Attention is row-invariant by construction where the C++ decode kernel serves
-(one (row, head) per work item); the verification forward runs its query tokens as decode rows of their own
-(`spec_decode/step.py`), so it goes through the same kernel as the plain step.
+Row-count invariance on CPU (`row_plan.RowPlan`): a row's logits must not depend on how many rows share its
+forward, or a seed's samples would change with the schedule (a tail batch of 1-3 rows) and with speculation (a
+verification forward of another row count than the plain step), since at temperature 1 a near-tie of the inverse CDF
+flips on the last bit. CPU BLAS (MKL) multiplies a matrix of few rows by other kernels than a matrix of many, and with
+several threads may split a product differently at some row counts; which counts agree depends on the machine, the
+shape and the thread count. So each runner derives its plan on the machine at the current thread count
+(`row_plan.derive_plan`, refreshed per call by `refresh_rows`): every forward runs a multiple of `plan.multiple`
+rows (`forward` adds one-token padding segments that write the pool's null block, the logits kept
+(`logits_to_keep`) are padded the same way, the static decode step pads its rows to buckets of multiples of it,
+`decode.static.bucket_sizes`), and a forward of more rows than a product was verified at runs that product on chunks
+(`RowPlan.split`). `tests/engine/decode/test_row_invariance.py` pins it. Attention is row-invariant by construction
+where the C++ decode kernel serves (one (row, head) per work item); the verification forward runs its query tokens as
+decode rows of their own (`spec_decode/step.py`), so it goes through the same kernel as the plain step.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
@@ -23,10 +25,8 @@ import trl_infinite.engine.attention as attention
 from trl_infinite.engine.attention import LayerSpec, Segment, cpu_decode
 from trl_infinite.engine.runner.kv_layout import KVLayout
 from trl_infinite.engine.runner.kv_pool import KVCachePool
+from trl_infinite.engine.runner.row_plan import RowPlan, derive_plan
 from trl_infinite.engine.sched.sequence import Sequence
-
-ROW_MULTIPLE = 4  # rows of every CPU forward are padded to a multiple of this (module docstring)
-
 
 def padded_count(n: int, multiple: int) -> int:
     """`n` rounded up to a multiple of `multiple`."""
@@ -47,12 +47,14 @@ class ModelRunner:
     """One forward = one packed batch; returns the logits of the requested query tokens only."""
 
     def __init__(self, model: torch.nn.Module, pool: KVCachePool, attention_backend: str, layers: dict[int, LayerSpec],
-                 cpu_decode_kernel: bool = False, capture_models: tuple[torch.nn.Module, ...] = ()):
+                 cpu_decode_kernel: bool = False, capture_models: tuple[torch.nn.Module, ...] = (),
+                 autocast: torch.dtype | None = None):
         """`layers`: one `LayerSpec` per attention `layer_idx` (from `support.check_support`); `capture_models`: the
         models transformers installs its hidden-state hooks from (`ModelSupport.capture_models`). `cpu_decode_kernel`:
         decode forwards go through `attention/cpu_decode`'s C++ kernel where it serves the layer
         (`decode_kernel_serves`; built here if no engine built it before; if it cannot be built, the torch path).
-        The engine passes `ModelSupport.decode_kernel`: True only once the kernel passed the exactness check."""
+        The engine passes `ModelSupport.decode_kernel`: True only once the kernel passed the exactness check.
+        `autocast`: the autocast dtype the model's forward runs under (`ModelSupport.autocast`), for the row plan."""
         self.model = model
         self.capture_models = capture_models
         self.pool = pool
@@ -79,8 +81,30 @@ class ModelRunner:
         self.mask_keys = tuple(dict.fromkeys((s.sliding_window, s.chunk_size) for s in layers.values()))
         self.attn_configs = attention.attention_configs(model)
         self.temperature_tuned = attention.temperature_tuned(model)  # Llama 4's NoPE layers: scaled by position
-        # CPU: every forward at a multiple of `ROW_MULTIPLE` rows, verification as decode rows (module docstring)
-        self.row_multiple = ROW_MULTIPLE if self.device.type == "cpu" else 1
+        # CPU: every forward at a row count the machine's BLAS was verified at (module docstring); derived at the
+        # first call (the weights must be whole then: under FSDP they are only inside the trainer's rollout)
+        self.autocast = autocast
+        self._plans: dict[int, RowPlan] = {}
+        self.plan: RowPlan | None = None if self.device.type == "cpu" else RowPlan(1, 0)
+
+    @property
+    def row_plan(self) -> RowPlan:
+        """The plan of the current call (`refresh_rows`; derived here if no call refreshed it yet)."""
+        return self.plan or self.refresh_rows()
+
+    @property
+    def row_multiple(self) -> int:
+        """Every forward's rows are padded to a multiple of this (1 off CPU; `RowPlan.multiple`)."""
+        return self.row_plan.multiple
+
+    def refresh_rows(self) -> RowPlan:
+        """The row plan for the current thread count (derived once per count; off CPU, no padding or chunking)."""
+        if self.device.type == "cpu" and (self.plan is None or self.plan.threads != torch.get_num_threads()):
+            threads = torch.get_num_threads()
+            if threads not in self._plans:
+                self._plans[threads] = derive_plan(self.model, self.autocast)
+            self.plan = self._plans[threads]
+        return self.plan
 
     def routed(self):
         """Context in which the model's attention runs over the pool (wrap every `run` call in it)."""
@@ -99,8 +123,11 @@ class ModelRunner:
         if keep and num_keep % self.row_multiple:  # the LM head at a row-invariant count (module docstring)
             pad = padded_count(num_keep, self.row_multiple) - num_keep
             logits_to_keep = torch.cat([logits_to_keep, logits_to_keep[-1:].expand(pad)])
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, paged_ctx=ctx,
-                         logits_to_keep=logits_to_keep, output_hidden_states=output_hidden)
+        split = (self.row_plan.split(input_ids.shape[1]) if self.device.type == "cpu"
+                 and not torch.compiler.is_compiling() else nullcontext())  # compiled: inductor's own products
+        with split:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, paged_ctx=ctx,
+                             logits_to_keep=logits_to_keep, output_hidden_states=output_hidden)
         logits = out.logits[0]
         if keep and logits.shape[0] != logits_to_keep.shape[0]:  # a model that ignores `logits_to_keep`
             logits = logits[logits_to_keep]
@@ -113,7 +140,7 @@ class ModelRunner:
     def forward(self, segments: list[Segment], logit_rows: torch.Tensor, output_hidden: bool = False):
         """Eager forward of host-side segments; `logit_rows` [R] indexes the packed query tokens whose logits are
         needed. Returns (logits [R, V], hidden [R, hidden] or None). On CPU the packed tokens are padded to a
-        multiple of `ROW_MULTIPLE` with one-token segments writing the pool's null block (module docstring)."""
+        multiple of `row_multiple` with one-token segments writing the pool's null block (module docstring)."""
         num_tokens = sum(len(s.tokens) for s in segments)
         if num_tokens % self.row_multiple:
             pad = Segment(0, [], [self.pool.null_block], 0, [0], -1)

@@ -89,7 +89,7 @@ class SpeculativeStep(DecodeStep):
             self.ctx.decoder.invalidate()
         start = [s.num_tokens - 1 for s in seqs]
         segments = [sample_segment(s, pos, [s.output_ids[-1]] + d) for s, d, pos in zip(seqs, drafts, start)]
-        if self.ctx.runner.row_multiple > 1:  # CPU: each query token a decode row of its own (`_as_decode_rows`)
+        if self.ctx.runner.device.type == "cpu":  # each query token a decode row of its own (`_as_decode_rows`)
             segments = _as_decode_rows(segments)
         t0 = time.perf_counter()
         n_query = sum(len(seg.tokens) for seg in segments)
@@ -219,5 +219,5 @@ def _as_decode_rows(segments: list[Segment]) -> list[Segment]:
     at position `p` attends to positions `.. p` of its sample (the K/V of every position, drafts included, are
     written before any layer attends), through the same attention kernel, at a row-invariant row count, as the plain
     decode step: each row's logits are bit-identical to what the plain step computes for it
-    (`model_runner.ROW_MULTIPLE`), so verification emits exactly plain decoding's tokens on real models too."""
+    (`row_plan.RowPlan`), so verification emits exactly plain decoding's tokens on real models too."""
     return [replace(seg, start_pos=seg.start_pos + j, tokens=[t]) for seg in segments for j, t in enumerate(seg.tokens)]

@@ -11,7 +11,7 @@ Verification computes the same `y_0 .. y_k` from the same distributions and the 
 while `d_{j+1} = y_j`, and emits `y_0 .. y_n` (n = drafts accepted): exactly the tokens plain decoding emits, token
 for token, whatever the drafter proposed and however many drafts the adaptive controller asked for. A seed's samples
 are the same with and without speculation: bit for bit on CPU in float32, where the verification forward computes
-each row's logits exactly as the plain step does (`step._as_decode_rows`, `model_runner.ROW_MULTIPLE`); elsewhere
+each row's logits exactly as the plain step does (`step._as_decode_rows`, `row_plan.RowPlan`); elsewhere
 up to the rounding of the verification forward against the plain step's (the same distribution; docs/speculative.md).
 
 Distribution: the output is plain decoding's, so its law is `p`. For a deterministic draft `x` (suffix tree, n-gram,
