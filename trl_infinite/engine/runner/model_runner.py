@@ -28,6 +28,7 @@ from trl_infinite.engine.runner.kv_pool import KVCachePool
 from trl_infinite.engine.runner.row_plan import RowPlan, derive_plan
 from trl_infinite.engine.sched.sequence import Sequence
 
+
 def padded_count(n: int, multiple: int) -> int:
     """`n` rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
