@@ -116,7 +116,7 @@ def test_compiled_triton_step_is_one_graph_and_token_identical(monkeypatch):
     assert result.completion_ids == refs
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] >= 1
     # the kernels ran inside the compiled step, once per layer of every decode step (2 layers, 2 rows padded to
-    # their bucket: 4 on CPU, `model_runner.ROW_MULTIPLE`; the calls before them are the support check's)
+    # their bucket: a multiple of `runner.row_multiple` on CPU; the calls before them are the support check's)
     steps, rows = result.stats.decode_steps, bucket_sizes(2, engine.runner.row_multiple)[-1]
     assert steps == tokens - 1 and launches[-2 * steps:] == [rows] * (2 * steps)
 

@@ -141,7 +141,7 @@ def _same(on, off) -> None:
 
 
 def test_bucket_switches_mid_rollout_sampled_identical():
-    """Samples finish one after another: the batch goes through buckets 8, 4, 2, 1 (4 and 8 on CPU; one graph each, captured as
+    """Samples finish one after another: the batch goes through buckets 8, 4, 2, 1 (on CPU multiples of the row plan's; one graph each, captured as
     first needed, while other rows keep decoding); top-p sampling with a repetition penalty (seen marks advanced
     by the step) equals graphs off."""
     model = tiny_model("llama")
@@ -150,7 +150,7 @@ def test_bucket_switches_mid_rollout_sampled_identical():
     on, off, engine, emu = _sampled_pair(model, [[5, 6, 7, 8, 9]], 8, sampling, forced, max_active_sequences=8)
     _same(on, off)
     buckets = {key[0] for key in engine.decoder.graphs.graphs}
-    want = set(bucket_sizes(8, engine.runner.row_multiple))  # 8, 4, 2, 1; on CPU multiples of 4 (row-invariant rows)
+    want = set(bucket_sizes(8, engine.runner.row_multiple))  # 8, 4, 2, 1; on CPU multiples of the row plan's
     assert buckets == want and emu.counts["captures"] >= len(want) and engine.decoder.graphs.recaptures == 0
 
 

@@ -69,7 +69,8 @@ def test_rows_are_invariant_at_every_count_through_the_derived_plan(shape, threa
 
 class _CountDependent(torch.nn.Linear):
     """A stand-in BLAS: a product each row of which is one reduction of its own (the same bits at any row count),
-    plus one part in 1e6 on the rows where `differs(rows, position)` says so."""
+    plus one part in 1e6 on the rows where `differs(rows, position)` says so. (The plan takes exact `nn.Linear`
+    types only, so the tests below add this one to them.)"""
 
     def __init__(self, differs):
         super().__init__(16, 8, bias=False)
@@ -82,6 +83,12 @@ class _CountDependent(torch.nn.Linear):
         return (out * (1 + bump[:, None])).reshape(*x.shape[:-1], -1)
 
 
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(row_plan, "_row_types", lambda: (torch.nn.Linear, _CountDependent))
+    monkeypatch.setattr(row_plan, "_PROBED", {})
+
+
 @pytest.mark.parametrize("differs, multiple, cap", [
     (lambda rows, i: False, 1, row_plan.MAX_PROBE_ROWS),  # every count the same (MKL_CBWR=AUTO,STRICT)
     (lambda rows, i: rows % 8 != 0, 8, row_plan.MAX_PROBE_ROWS),  # another kernel where the count is not a multiple of 8
@@ -89,8 +96,7 @@ class _CountDependent(torch.nn.Linear):
     (lambda rows, i: rows < 4 or 40 < rows < 200, 4, 40),  # from 4 rows on, another split between 41 and 199 rows
     (lambda rows, i: rows % 2 or 64 < rows, 2, 64),  # odd counts, and past 64 rows another split
 ], ids=["none", "mod8", "few", "band", "odd-and-many"])
-def test_probe_finds_the_multiple_and_cap(differs, multiple, cap):
-    row_plan._PROBED.clear()
+def test_probe_finds_the_multiple_and_cap(stand_in, differs, multiple, cap):
     plan = derive_plan(torch.nn.Sequential(_CountDependent(differs)))
     assert plan.row_invariant and plan.multiple == multiple and plan.capped[0][1] == cap
     # and the plan's own computation of any count agrees with the rows computed `multiple` at a time
@@ -101,16 +107,20 @@ def test_probe_finds_the_multiple_and_cap(differs, multiple, cap):
             assert torch.equal(module(x[:count]), alone[:count]), count
 
 
-def test_probe_warns_and_falls_back_where_no_multiple_works():
-    row_plan._PROBED.clear()
+def test_probe_warns_and_falls_back_where_no_multiple_works(stand_in):
     position = _CountDependent(lambda rows, i: i == 0)  # the first row of every product: no count helps
     with pytest.warns(UserWarning, match="other bits at other row counts"):
         plan = derive_plan(torch.nn.Sequential(position))
     assert not plan.row_invariant and plan.multiple == row_plan.FALLBACK_MULTIPLE and plan.capped == ()
 
 
+def test_subclasses_with_their_own_forward_are_left_alone():
+    router = _CountDependent(lambda rows, i: False)  # an `nn.Linear` subclass (as Llama 4's router, returning a tuple)
+    plan = derive_plan(torch.nn.Sequential(torch.nn.Linear(16, 8), router))
+    assert [type(m) for m, _ in plan.capped] == [torch.nn.Linear]
+
+
 def test_split_restores_the_forward_it_found():
-    row_plan._PROBED.clear()
     linear = torch.nn.Linear(16, 8)
     hooked = []
     linear.forward = lambda x, own=linear.forward: hooked.append(x.shape[0]) or own(x)  # as accelerate's hooks do

@@ -56,11 +56,12 @@ def _in_out(module: nn.Module) -> tuple[int, int]:
 
 def row_modules(model: nn.Module, autocast: torch.dtype | None = None) -> dict[ShapeKey, list[nn.Module]]:
     """The model's row-wise products with a plain 2-D weight, grouped by what decides the BLAS's kernel (under
-    `autocast`, a floating weight's product computes in the autocast dtype)."""
+    `autocast`, a floating weight's product computes in the autocast dtype). Exact types: a subclass may override
+    `forward` (Llama 4's router returns a tuple)."""
     types, out = _row_types(), {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, types) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        if type(module) in types and isinstance(weight, torch.Tensor) and weight.dim() == 2:
             dtype = autocast if autocast is not None and weight.is_floating_point() else weight.dtype
             key = (type(module), *_in_out(module), dtype, getattr(module, "bias", None) is not None)
             out.setdefault(key, []).append(module)
