@@ -127,8 +127,7 @@ class RolloutEngine:
                 f"`generate` is called {describe(now)}, but the engine was built {describe(self.autocast)} (its "
                 f"exactness checked and its KV pool allocated in {str(self.pool.dtype).removeprefix('torch.')} "
                 "there): call `generate` under the autocast state the engine was built under, or build a new engine "
-                "under this one."
-            )
+                "under this one.")
 
     def _reserve_bytes(self) -> int:
         """Taken out of a `kv_cache_fraction` budget first: the captured step's memory and the weight copy's bytes

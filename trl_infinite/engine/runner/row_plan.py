@@ -38,8 +38,8 @@ MAX_PROBE_ROWS = 256  # the most rows a shape is probed at (a longer product is 
 PROBE_FLOPS = 8e9  # multiply-adds x 2 a shape's probe may cost per candidate multiple
 FALLBACK_MULTIPLE = 4
 
-# (module type, in features, out features, the dtype the product computes in, has bias)
-ShapeKey = tuple[type, int, int, torch.dtype, bool]
+# (module type, in features, out features, the dtype the product computes in, has bias, the weight's strides)
+ShapeKey = tuple[type, int, int, torch.dtype, bool, tuple[int, ...]]
 _PROBED: dict[tuple[int, ShapeKey, int], int] = {}  # (threads, key, multiple) -> verified cap (0: position differs)
 
 
@@ -63,7 +63,7 @@ def row_modules(model: nn.Module, autocast: torch.dtype | None = None) -> dict[S
         weight = getattr(module, "weight", None)
         if type(module) in types and isinstance(weight, torch.Tensor) and weight.dim() == 2:
             dtype = autocast if autocast is not None and weight.is_floating_point() else weight.dtype
-            key = (type(module), *_in_out(module), dtype, getattr(module, "bias", None) is not None)
+            key = (type(module), *_in_out(module), dtype, getattr(module, "bias", None) is not None, weight.stride())
             out.setdefault(key, []).append(module)
     return out
 
