@@ -120,6 +120,15 @@ def test_subclasses_with_their_own_forward_are_left_alone():
     assert [type(m) for m, _ in plan.capped] == [torch.nn.Linear]
 
 
+@pytest.mark.parametrize("multiple", [1, 4, 16])
+def test_chunks_are_few_even_and_within_the_cap(multiple):
+    for cap in range(multiple, 9 * multiple, multiple):
+        for rows in range(multiple, 40 * multiple, multiple):
+            sizes = row_plan.chunk_sizes(rows, cap, multiple)
+            assert sum(sizes) == rows and len(sizes) == -(-rows // cap), (rows, cap)
+            assert all(s % multiple == 0 and 0 < s <= cap for s in sizes) and max(sizes) - min(sizes) <= multiple
+
+
 def test_split_restores_the_forward_it_found():
     linear = torch.nn.Linear(16, 8)
     hooked = []
@@ -128,7 +137,7 @@ def test_split_restores_the_forward_it_found():
     plan = row_plan.RowPlan(1, torch.get_num_threads(), ((linear, 4),))
     with plan.split(10):
         out = linear(torch.ones(10, 16))
-    assert out.shape == (10, 8) and hooked == [4, 4, 2] and linear.forward is wrapper
+    assert out.shape == (10, 8) and hooked == [4, 3, 3] and linear.forward is wrapper
     plain = torch.nn.Linear(16, 8)
     with row_plan.RowPlan(1, 1, ((plain, 4),)).split(10):
         assert "forward" in plain.__dict__
