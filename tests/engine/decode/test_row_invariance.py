@@ -26,7 +26,7 @@ import pytest
 import torch
 from _models import tiny_model
 
-from trl_infinite import EngineConfig, RolloutEngine
+from trl_infinite import EngineConfig, RolloutEngine, SamplingParams
 from trl_infinite.engine.attention import Segment, cpu_decode, decode_metadata
 from trl_infinite.engine.runner import row_plan
 from trl_infinite.engine.runner.model_runner import padded_count
@@ -206,3 +206,16 @@ def test_decode_verify_and_row_counts_give_bit_identical_logits(shapes):
     pair = fwd([Segment(P, prompt_blocks, [], 0, prompt), Segment(len(other), list(range(150, 175)), [], 0, other)],
                [P - 1, P + len(other) - 1])
     assert torch.equal(pair[0], first[0])
+
+
+def test_the_runner_plans_the_model_as_it_is_at_each_call():
+    model = tiny_model("llama")
+    engine = RolloutEngine(model, EngineConfig(kv_cache_tokens=256))
+    sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+    engine.generate([[5, 6, 7]], 1, sampling)
+    old = model.lm_head
+    model.lm_head = torch.nn.Linear(old.in_features, old.out_features, bias=False)  # a head replaced between calls
+    model.lm_head.weight.data.copy_(old.weight.data)
+    engine.generate([[5, 6, 7]], 1, sampling)
+    planned = [m for m, _ in engine.runner.row_plan.capped]
+    assert any(m is model.lm_head for m in planned) and not any(m is old for m in planned)

@@ -85,7 +85,6 @@ class ModelRunner:
         # CPU: every forward at a row count the machine's BLAS was verified at (module docstring); derived at the
         # first call (the weights must be whole then: under FSDP they are only inside the trainer's rollout)
         self.autocast = autocast
-        self._plans: dict[int, RowPlan] = {}
         self.plan: RowPlan | None = None if self.device.type == "cpu" else RowPlan(1, 0)
 
     @property
@@ -99,12 +98,10 @@ class ModelRunner:
         return self.row_plan.multiple
 
     def refresh_rows(self) -> RowPlan:
-        """The row plan for the current thread count (derived once per count; off CPU, no padding or chunking)."""
-        if self.device.type == "cpu" and (self.plan is None or self.plan.threads != torch.get_num_threads()):
-            threads = torch.get_num_threads()
-            if threads not in self._plans:
-                self._plans[threads] = derive_plan(self.model, self.autocast)
-            self.plan = self._plans[threads]
+        """The row plan of the model as it is now (an adapter added since, another thread count: the probes are
+        cached per shape, so this walks the modules and looks their shapes up); off CPU, no padding or chunking."""
+        if self.device.type == "cpu":
+            self.plan = derive_plan(self.model, self.autocast)
         return self.plan
 
     def routed(self):
